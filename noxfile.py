@@ -1,0 +1,98 @@
+"""Task runner for the monorepo: every test, check and build runs through nox.
+
+Run ``nox`` for the default suite, ``nox --list`` to see every session and
+``nox -s <name>`` for one of them.
+"""
+
+from __future__ import annotations
+
+import os
+
+import nox
+
+nox.options.default_venv_backend = "uv|virtualenv"
+nox.options.error_on_missing_interpreters = True
+
+PYTHON = "3.11"
+
+# Every package under packages/, mapped to the local packages it depends on
+# (in install order). Adding a package is one line here, e.g.
+#     "qflax": ["qcore"],
+PACKAGES: dict[str, list[str]] = {
+    "qcore": [],
+}
+
+nox.options.sessions = ["tests", "integration", "lint", "typecheck", "docs"]
+
+
+def _editable(*packages: str) -> list[str]:
+    """Return pip arguments that install ``packages`` from packages/ in editable mode."""
+    args: list[str] = []
+    for package in packages:
+        args += ["-e", f"packages/{package}"]
+    return args
+
+
+def _install_package(session: nox.Session, package: str) -> None:
+    """Install ``package``, its local dependencies (editable) and its test group, nothing else."""
+    pyproject = nox.project.load_toml(f"packages/{package}/pyproject.toml")
+    test_group = nox.project.dependency_groups(pyproject, "test")
+    session.install(*_editable(*PACKAGES[package], package), *test_group)
+
+
+@nox.session(python=PYTHON)
+@nox.parametrize("package", list(PACKAGES), ids=list(PACKAGES))
+def tests(session: nox.Session, package: str) -> None:
+    """Run one package's tests and doctests with only that package installed."""
+    _install_package(session, package)
+    session.chdir(f"packages/{package}")
+    session.run("pytest", "-m", "not slow", "--doctest-modules", "src", "tests", *session.posargs)
+
+
+@nox.session(python=PYTHON)
+@nox.parametrize("package", list(PACKAGES), ids=list(PACKAGES))
+def slow(session: nox.Session, package: str) -> None:
+    """Run one package's tests marked ``slow`` (not part of the default suite)."""
+    _install_package(session, package)
+    session.chdir(f"packages/{package}")
+    # Exit code 5 means no test is marked slow yet; that is not a failure.
+    session.run("pytest", "-m", "slow", "tests", *session.posargs, success_codes=[0, 5])
+
+
+@nox.session(python=PYTHON)
+def integration(session: nox.Session) -> None:
+    """Run the cross-package tests in tests/ with every package installed."""
+    session.install(*_editable(*PACKAGES), "pytest")
+    session.run("pytest", "tests", *session.posargs)
+
+
+@nox.session(python=PYTHON)
+def lint(session: nox.Session) -> None:
+    """Check lint rules and formatting with ruff."""
+    session.install("ruff")
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
+
+
+@nox.session(python=PYTHON)
+def typecheck(session: nox.Session) -> None:
+    """Type-check every package's src/ with pyright (config in pyproject.toml)."""
+    session.install(*_editable(*PACKAGES), "pyright[nodejs]")
+    # Point pyright at this session's interpreter so it sees the installed packages.
+    python = os.path.join(session.bin, "python")
+    session.run("pyright", "--pythonpath", python, *session.posargs)
+
+
+@nox.session(python=PYTHON)
+def docs(session: nox.Session) -> None:
+    """Execute every >>> example in docs/*.md, then build the HTML docs with warnings as errors."""
+    session.install(*_editable(*PACKAGES), "sphinx", "myst-parser", "pytest")
+    session.run("pytest", "--doctest-glob=*.md", "docs", "-p", "no:cacheprovider")
+    session.run("sphinx-build", "-W", "--keep-going", "-b", "html", "docs", "docs/_build/html")
+
+
+@nox.session(python=PYTHON)
+def demo(session: nox.Session) -> None:
+    """Run the qcore tour example (quantizes a small digits classifier, writes a PNG)."""
+    session.install(*_editable("qcore"), "matplotlib", "scikit-learn")
+    session.run("python", "examples/qcore_tour.py", *session.posargs)

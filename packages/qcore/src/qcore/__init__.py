@@ -1,0 +1,64 @@
+"""qcore: pure-function JAX quantization numerics.
+
+Quantization types (:mod:`qcore.qtypes`), calibration
+(:mod:`qcore.calibration`), the :class:`QArray` pytree with quantize /
+dequantize (:mod:`qcore.qarray`), rounding and scale arithmetic
+(:mod:`qcore.numerics`), fake quantization with straight-through gradients
+(:mod:`qcore.fakequant`), sub-byte packing (:mod:`qcore.packing`) and error
+metrics (:mod:`qcore.metrics`). Depends on jax, numpy and ml_dtypes only.
+
+Example:
+    >>> import jax.numpy as jnp
+    >>> import qcore
+    >>> q = qcore.quantize(jnp.array([0.5, -1.0, 2.0]), qcore.HowToQuantize(qtype="int8"))
+    >>> q.qvalue
+    Array([  32,  -64,  127], dtype=int8)
+    >>> qcore.dequantize(q).tolist()  # doctest: +NUMBER
+    [0.502, -1.004, 1.992]
+"""
+
+from qcore import calibration, fakequant, metrics, numerics, packing, qarray, qtypes
+from qcore.calibration import Calibrator
+from qcore.fakequant import fake_quant
+from qcore.metrics import mean_relative_error, sqnr_db
+from qcore.qarray import (
+    HowToQuantize,
+    Packing,
+    QArray,
+    calibrate,
+    dequantize,
+    pack,
+    quantize,
+    quantize_with_scale_zero_point,
+    requantize,
+    unpack,
+)
+from qcore.qtypes import QType
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Calibrator",
+    "HowToQuantize",
+    "Packing",
+    "QArray",
+    "QType",
+    "__version__",
+    "calibrate",
+    "calibration",
+    "dequantize",
+    "fake_quant",
+    "fakequant",
+    "mean_relative_error",
+    "metrics",
+    "numerics",
+    "pack",
+    "packing",
+    "qarray",
+    "qtypes",
+    "quantize",
+    "quantize_with_scale_zero_point",
+    "requantize",
+    "sqnr_db",
+    "unpack",
+]

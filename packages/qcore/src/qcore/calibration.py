@@ -1,0 +1,261 @@
+"""Calibration: choosing the range ``[lo, hi]`` that a scale must cover.
+
+A calibrator is a callable ``calibrator(x, axes, *, qtype, symmetric,
+narrow_range) -> (lo, hi)`` that reduces ``x`` over ``axes`` (keeping them as
+size-1 dims) and returns float32 range ends. Calibrators ignore ``NaN`` and
+``±inf`` values. Built-ins are frozen dataclasses, so they are hashable and can
+sit inside static quantization specs.
+
+Strings are parsed only at the edges by :func:`parse`::
+
+    "absmax"          AbsMax()             max |x|
+    "absmax,0.9"      AbsMax(clip=0.9)     0.9 · max |x|
+    "minmax"          MinMax()             [min(x, 0), max(x, 0)]
+    "rms,7"           Rms(k=7)             ±7 · sqrt(mean(x²))
+    "fixed,-6,6"      Fixed(-6, 6)         a constant range
+    "percentile,99.9" Percentile(99.9)     99.9th percentile of |x| (symmetric)
+                                           or the 0.1th/99.9th of x (asymmetric)
+    "mse"             Mse()                the clipping ratio of the absmax (or
+                                           minmax) range that minimises the
+                                           squared quantization error, per block
+
+Example:
+    >>> import jax.numpy as jnp
+    >>> from qcore import calibration, qtypes
+    >>> x = jnp.array([[-4.0, 1.0], [2.0, jnp.inf]])
+    >>> lo, hi = parse("absmax,0.5")(x, (1,), qtype=qtypes.get("int8"), symmetric=True)
+    >>> hi.ravel().tolist()
+    [2.0, 1.0]
+    >>> parse("percentile,101")
+    Traceback (most recent call last):
+    ...
+    ValueError: calibration='percentile,101': q=101.0 must be in (0, 100]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Protocol
+
+import jax
+import jax.numpy as jnp
+
+from qcore import numerics
+from qcore.qtypes import QType
+
+Axes = Sequence[int]
+
+
+class Calibrator(Protocol):
+    """The calibrator protocol (see the module docstring)."""
+
+    def __call__(
+        self,
+        x: jax.Array,
+        axes: Axes,
+        *,
+        qtype: QType,
+        symmetric: bool = True,
+        narrow_range: bool = False,
+    ) -> tuple[jax.Array, jax.Array]:
+        """Returns ``(lo, hi)`` reduced over ``axes`` with ``keepdims=True``."""
+        ...
+
+
+def _finite(x: jax.Array, fill: float) -> jax.Array:
+    x = jnp.asarray(x, jnp.float32)
+    return jnp.where(jnp.isfinite(x), x, jnp.full_like(x, fill))
+
+
+def _absmax(x: jax.Array, axes: Axes) -> jax.Array:
+    return jnp.max(jnp.abs(_finite(x, 0.0)), axis=tuple(axes), keepdims=True, initial=0.0)
+
+
+def _minmax(x: jax.Array, axes: Axes) -> tuple[jax.Array, jax.Array]:
+    axes = tuple(axes)
+    lo = jnp.min(_finite(x, 0.0), axis=axes, keepdims=True, initial=0.0)
+    hi = jnp.max(_finite(x, 0.0), axis=axes, keepdims=True, initial=0.0)
+    return lo, hi
+
+
+@dataclasses.dataclass(frozen=True)
+class AbsMax:
+    """``±clip · max|x|``; ``clip < 1`` trades outlier clipping for resolution."""
+
+    clip: float = 1.0
+
+    def __call__(self, x, axes, *, qtype, symmetric=True, narrow_range=False):  # noqa: D102
+        m = _absmax(x, axes) * self.clip
+        return -m, m
+
+
+@dataclasses.dataclass(frozen=True)
+class MinMax:
+    """``[min(x), max(x)]`` widened to include 0, so zero is exactly representable."""
+
+    def __call__(self, x, axes, *, qtype, symmetric=True, narrow_range=False):  # noqa: D102
+        return _minmax(x, axes)
+
+
+@dataclasses.dataclass(frozen=True)
+class Rms:
+    """``±k · sqrt(mean(x²))`` over the finite values."""
+
+    k: float
+
+    def __call__(self, x, axes, *, qtype, symmetric=True, narrow_range=False):  # noqa: D102
+        xf = _finite(x, jnp.nan)
+        r = jnp.sqrt(jnp.nanmean(jnp.square(xf), axis=tuple(axes), keepdims=True))
+        r = jnp.where(jnp.isnan(r), 0.0, r) * self.k
+        return -r, r
+
+
+@dataclasses.dataclass(frozen=True)
+class Fixed:
+    """A constant range ``[lo, hi]`` (e.g. ``Fixed(-6, 6)`` for ReLU6 outputs)."""
+
+    lo: float
+    hi: float
+
+    def __call__(self, x, axes, *, qtype, symmetric=True, narrow_range=False):  # noqa: D102
+        shape = tuple(1 if i in _normalize(axes, x.ndim) else d for i, d in enumerate(x.shape))
+        return jnp.full(shape, self.lo, jnp.float32), jnp.full(shape, self.hi, jnp.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class Percentile:
+    """The ``q``-th percentile of ``|x|`` (symmetric) or of ``x`` at both tails."""
+
+    q: float
+
+    def __call__(self, x, axes, *, qtype, symmetric=True, narrow_range=False):  # noqa: D102
+        flat, shape = _move_to_last(_finite(x, jnp.nan), axes)
+        if symmetric:
+            hi = jnp.nanpercentile(jnp.abs(flat), self.q, axis=-1)
+            lo = -hi
+        else:
+            lo = jnp.nanpercentile(flat, 100.0 - self.q, axis=-1)
+            hi = jnp.nanpercentile(flat, self.q, axis=-1)
+        lo = jnp.where(jnp.isnan(lo), 0.0, lo).reshape(shape)
+        hi = jnp.where(jnp.isnan(hi), 0.0, hi).reshape(shape)
+        return lo, hi
+
+
+@dataclasses.dataclass(frozen=True)
+class Mse:
+    """Per-block search of the clipping ratio minimising the squared error.
+
+    Tries ``steps`` ratios evenly spaced in ``[min_ratio, 1]`` of the absmax
+    range (minmax when asymmetric), quantizing with round-to-nearest-even, and
+    keeps each block's best. Ratio 1 is always a candidate, so the result is
+    never worse than absmax/minmax.
+    """
+
+    steps: int = 32
+    min_ratio: float = 0.3
+
+    def __call__(self, x, axes, *, qtype, symmetric=True, narrow_range=False):  # noqa: D102
+        axes = tuple(axes)
+        xf = _finite(x, 0.0)
+        base_lo, base_hi = _minmax(xf, axes) if not symmetric else AbsMax()(xf, axes, qtype=qtype)
+
+        def error(ratio: jax.Array) -> jax.Array:
+            scale, zp = numerics.scale_from_range(
+                base_lo * ratio,
+                base_hi * ratio,
+                qtype,
+                symmetric=symmetric,
+                narrow_range=narrow_range,
+            )
+            shift = 0.0 if zp is None else zp
+            codes = numerics.encode(xf / scale + shift, qtype, narrow_range=narrow_range)
+            xq = (numerics.decode(codes, qtype) - shift) * scale
+            return jnp.sum(jnp.square(xq - xf), axis=axes, keepdims=True)
+
+        def step(carry, ratio):
+            best_err, best_ratio = carry
+            err = error(ratio)
+            better = err < best_err
+            return (jnp.where(better, err, best_err), jnp.where(better, ratio, best_ratio)), None
+
+        ones = jnp.ones_like(base_hi)
+        ratios = jnp.linspace(self.min_ratio, 1.0, self.steps, dtype=jnp.float32)
+        init = (error(jnp.float32(1.0)), ones)
+        (_, best), _ = jax.lax.scan(step, init, ratios[:-1])
+        return base_lo * best, base_hi * best
+
+
+def _normalize(axes: Axes, ndim: int) -> tuple[int, ...]:
+    return tuple(a % ndim for a in axes) if ndim else ()
+
+
+def _move_to_last(x: jax.Array, axes: Axes) -> tuple[jax.Array, tuple[int, ...]]:
+    """Moves ``axes`` to the end and flattens them; returns the keepdims shape."""
+    axes = _normalize(axes, x.ndim)
+    keep = [i for i in range(x.ndim) if i not in axes]
+    moved = jnp.transpose(x, (*keep, *axes))
+    flat = moved.reshape(*(x.shape[i] for i in keep), -1)
+    shape = tuple(1 if i in axes else d for i, d in enumerate(x.shape))
+    return flat, shape
+
+
+_NAMES = ("absmax", "minmax", "rms", "fixed", "percentile", "mse")
+
+
+def parse(calibration: str | Calibrator) -> Calibrator:
+    """Parses a calibration string (see the module docstring); callables pass through.
+
+    Raises:
+        ValueError: For an unknown method name, a wrong number of arguments,
+            non-numeric arguments or values outside their allowed ranges.
+    """
+    if callable(calibration):
+        return calibration
+    if not isinstance(calibration, str):
+        raise ValueError(
+            f"calibration={calibration!r} must be a string like 'absmax,0.9' or a "
+            f"calibrator callable; methods: {', '.join(_NAMES)}"
+        )
+    name, *raw = [p.strip() for p in calibration.split(",")]
+    name = name.lower()
+
+    def bad(msg: str) -> ValueError:
+        return ValueError(f"calibration={calibration!r}: {msg}")
+
+    try:
+        args = [float(a) for a in raw]
+    except ValueError:
+        raise bad(f"arguments {raw} must be numbers") from None
+    arity = {"absmax": (0, 1), "minmax": (0,), "rms": (1,), "fixed": (2,)}
+    arity |= {"percentile": (1,), "mse": (0, 1)}
+    if name not in arity:
+        raise bad(f"unknown method {name!r}; allowed: {', '.join(_NAMES)}")
+    if len(args) not in arity[name]:
+        raise bad(
+            f"{name!r} takes {' or '.join(map(str, arity[name]))} argument(s), got {len(args)}"
+        )
+    if name == "absmax":
+        clip = args[0] if args else 1.0
+        if not clip > 0:
+            raise bad(f"clip={clip} must be > 0")
+        return AbsMax(clip)
+    if name == "minmax":
+        return MinMax()
+    if name == "rms":
+        if not args[0] > 0:
+            raise bad(f"k={args[0]} must be > 0")
+        return Rms(args[0])
+    if name == "fixed":
+        lo, hi = args
+        if not lo < hi:
+            raise bad(f"lo={lo} must be < hi={hi}")
+        return Fixed(lo, hi)
+    if name == "percentile":
+        if not 0 < args[0] <= 100:
+            raise bad(f"q={args[0]} must be in (0, 100]")
+        return Percentile(args[0])
+    steps = int(args[0]) if args else 32
+    if steps < 2 or steps != (args[0] if args else 32):
+        raise bad(f"steps={args[0] if args else steps} must be an integer >= 2")
+    return Mse(steps)

@@ -1,0 +1,235 @@
+"""Element-wise quantization arithmetic: rounding, saturation, scales, codes.
+
+Everything here acts on arrays that are already aligned with their scales; the
+tiling and calibration logic lives in :mod:`qcore.qarray`. All arithmetic is done
+in float32 whatever the input dtype, so bf16 inputs round the same way as f32.
+
+Rules for values that are not finite (the same in every qtype):
+
+* calibration ignores ``NaN`` and ``±inf`` (see :mod:`qcore.calibration`);
+* ``+inf`` and ``-inf`` saturate to the largest and smallest level;
+* ``NaN`` encodes as the code of ``0.0`` (``int1``, which has no zero, gives
+  ``+1``);
+* a scale that would be zero, negative, subnormal-small or not finite (an
+  all-zero, all-NaN or empty block) is replaced by ``1.0``, so no scale is ever
+  ``NaN`` and such blocks dequantize to exact zeros (``int1``, which has no zero,
+  uses the smallest normal float32 instead and dequantizes to ``±1.2e-38``).
+
+Example:
+    >>> import jax.numpy as jnp
+    >>> from qcore import numerics, qtypes
+    >>> numerics.round_values(jnp.array([0.5, 1.5, -2.5]), "nearest_even")
+    Array([ 0.,  2., -2.], dtype=float32)
+    >>> numerics.round_values(jnp.array([0.5, 1.5, -2.5]), "away_from_zero")
+    Array([ 1.,  2., -3.], dtype=float32)
+    >>> int8 = qtypes.get("int8")
+    >>> numerics.encode(jnp.array([1.2, 3.5, -127.5, 129.0, -1300.0]), int8)
+    Array([   1,    4, -128,  127, -128], dtype=int8)
+"""
+
+from __future__ import annotations
+
+from typing import Literal, get_args
+
+import jax
+import jax.numpy as jnp
+
+from qcore.qtypes import QType
+
+Rounding = Literal["nearest_even", "away_from_zero", "stochastic"]
+ROUNDING_MODES: tuple[str, ...] = get_args(Rounding)
+
+# Scales below this are treated as degenerate: dividing by them overflows f32 for
+# ordinary inputs. It is the smallest normal float32.
+_TINY = float(jnp.finfo(jnp.float32).tiny)
+
+
+def check_rounding(rounding: str, qtype: QType | None = None) -> None:
+    """Raises ValueError unless ``rounding`` is a known mode usable with ``qtype``.
+
+    Args:
+        rounding: One of :data:`ROUNDING_MODES`.
+        qtype: If given, also checks that the mode applies to this type
+            (stochastic rounding applies to integer kinds only).
+    """
+    if rounding not in ROUNDING_MODES:
+        raise ValueError(f"rounding={rounding!r} is not supported; allowed: {ROUNDING_MODES}")
+    if rounding == "stochastic" and qtype is not None and qtype.kind != "int":
+        raise ValueError(
+            f"rounding='stochastic' is supported for integer qtypes only, not "
+            f"qtype={qtype.name!r} (kind {qtype.kind!r}); use 'nearest_even'"
+        )
+
+
+def round_values(
+    x: jax.Array, rounding: str = "nearest_even", *, key: jax.Array | None = None
+) -> jax.Array:
+    """Rounds to integers with the given rule.
+
+    Args:
+        x: Values to round.
+        rounding: ``"nearest_even"`` (IEEE default, as ``jnp.round``),
+            ``"away_from_zero"`` (ties away from zero, TFLite's kernels' rule) or
+            ``"stochastic"`` (``floor(x + u)``, ``u ~ U[0, 1)``: unbiased,
+            ``E[round(x)] = x``).
+        key: PRNG key, required for ``"stochastic"``.
+
+    Returns:
+        Rounded values with the dtype of ``x``.
+    """
+    check_rounding(rounding)
+    if rounding == "nearest_even":
+        return jnp.round(x)
+    if rounding == "away_from_zero":
+        return jnp.sign(x) * jnp.floor(jnp.abs(x) + 0.5)
+    if key is None:
+        raise ValueError("rounding='stochastic' needs a PRNG key: pass key=jax.random.key(...)")
+    u = jax.random.uniform(key, x.shape, dtype=jnp.float32).astype(x.dtype)
+    return jnp.floor(x + u)
+
+
+def saturate(x: jax.Array, lo: float | jax.Array, hi: float | jax.Array) -> jax.Array:
+    """Clips to ``[lo, hi]``; ``±inf`` saturate to the bounds, ``NaN`` stays ``NaN``."""
+    return jnp.clip(x, lo, hi)
+
+
+@jax.custom_jvp
+def round_ste(x: jax.Array) -> jax.Array:
+    """Round half to even with a straight-through (identity) gradient."""
+    return jnp.round(x)
+
+
+@round_ste.defjvp
+def _round_ste_jvp(primals: tuple[jax.Array], tangents: tuple[jax.Array]) -> tuple:
+    (x,), (dx,) = primals, tangents
+    return jnp.round(x), dx
+
+
+def int_range(qtype: QType, narrow_range: bool) -> tuple[float, float]:
+    """The codes an integer qtype may use.
+
+    ``narrow_range`` drops the most negative code of a signed type so that the
+    range is symmetric (``int8`` → ``[-127, 127]``, TFLite's weight range).
+    """
+    qmin = qtype.qmin
+    if narrow_range and qtype.signed and qtype.kind == "int":
+        qmin = -qtype.qmax
+    return qmin, qtype.qmax
+
+
+def symmetric_denominator(qtype: QType, narrow_range: bool) -> float:
+    """The scaled value that the calibrated bound maps to, for symmetric scales.
+
+    Signed integer types that are not narrow map the bound to ``qmax + 0.5``:
+    every one of the ``2**bits`` codes is used and ``±bound`` still round to
+    within half a step (``+bound`` saturates from ``qmax + 0.5`` to ``qmax``).
+    Narrow signed ranges and unsigned types (range ``[0, bound]``, so that e.g.
+    ``k / 255`` is exact in uint8) map it to ``qmax`` exactly. Other kinds map it
+    to their largest level.
+    """
+    if qtype.kind == "int" and qtype.signed and not narrow_range:
+        return qtype.qmax + 0.5
+    return qtype.qmax
+
+
+def _safe_scale(s: jax.Array, qtype: QType) -> jax.Array:
+    # int1 has no zero level: a degenerate (e.g. all-zero) block gets the
+    # smallest normal scale, so it dequantizes to ±1.2e-38 rather than ±1.
+    fallback = _TINY if qtype.kind == "binary" else 1.0
+    return jnp.where(jnp.isfinite(s) & (s >= _TINY), s, jnp.full_like(s, fallback))
+
+
+def scale_from_range(
+    lo: jax.Array,
+    hi: jax.Array,
+    qtype: QType,
+    *,
+    symmetric: bool = True,
+    narrow_range: bool = False,
+) -> tuple[jax.Array, jax.Array | None]:
+    """Turns calibrated ranges into float32 scales (and integer zero points).
+
+    Args:
+        lo: Lower ends of the calibrated ranges (any shape).
+        hi: Upper ends, same shape.
+        qtype: Target type.
+        symmetric: Zero point fixed at 0. Signed types use
+            ``max(|lo|, |hi|)``; unsigned types use ``max(hi, 0)`` and clip
+            negatives to zero.
+        narrow_range: See :func:`int_range`.
+
+    Returns:
+        ``(scale, zero_point)``; ``zero_point`` is ``None`` when symmetric,
+        otherwise a float32 array of integral values within the code range.
+        Block-scaled types with power-of-two (e8m0) scales get their scale
+        rounded up to a power of two so the calibrated range is never clipped.
+    """
+    # A non-finite range end (only possible for hand-made ranges: calibrators
+    # skip non-finite values) counts as 0, so it cannot reach scales or zero points.
+    lo, hi = (jnp.asarray(a, jnp.float32) for a in (lo, hi))
+    lo = jnp.where(jnp.isfinite(lo), lo, jnp.zeros_like(lo))
+    hi = jnp.where(jnp.isfinite(hi), hi, jnp.zeros_like(hi))
+    if symmetric:
+        bound = jnp.maximum(jnp.abs(lo), jnp.abs(hi)) if qtype.signed else jnp.maximum(hi, 0.0)
+        scale = _safe_scale(bound / symmetric_denominator(qtype, narrow_range), qtype)
+        if qtype.scale_dtype == "float8_e8m0fnu":
+            scale = jnp.exp2(jnp.ceil(jnp.log2(scale)))
+        return scale, None
+    if not qtype.supports_asymmetric:
+        raise ValueError(
+            f"symmetric=False needs a uniform integer qtype; qtype={qtype.name!r} "
+            f"(kind {qtype.kind!r}) cannot hold a zero point"
+        )
+    qmin, qmax = int_range(qtype, narrow_range)
+    lo = jnp.minimum(lo, 0.0)
+    hi = jnp.maximum(hi, 0.0)
+    scale = _safe_scale((hi - lo) / (qmax - qmin), qtype)
+    zero_point = jnp.clip(jnp.round(qmin - lo / scale), qmin, qmax)
+    return scale, zero_point
+
+
+def encode(
+    v: jax.Array,
+    qtype: QType,
+    *,
+    rounding: str = "nearest_even",
+    narrow_range: bool = False,
+    key: jax.Array | None = None,
+) -> jax.Array:
+    """Encodes already-scaled values (``x / scale + zero_point``) as codes.
+
+    Args:
+        v: Scaled values.
+        qtype: Target type.
+        rounding: Rounding mode for integer kinds (see :func:`round_values`);
+            float kinds round to nearest even by the cast, codebooks to the
+            nearest level (ties to the lower level).
+        narrow_range: See :func:`int_range`.
+        key: PRNG key for stochastic rounding.
+
+    Returns:
+        Codes in ``qtype.storage_dtype``: integer codes, ``±1`` for ``int1``,
+        float elements for float kinds, level indices for codebooks.
+    """
+    check_rounding(rounding, qtype)
+    v = jnp.asarray(v, jnp.float32)
+    v = jnp.where(jnp.isnan(v), jnp.zeros_like(v), v)
+    dtype = qtype.storage_dtype
+    if qtype.kind == "int":
+        qmin, qmax = int_range(qtype, narrow_range)
+        return saturate(round_values(v, rounding, key=key), qmin, qmax).astype(dtype)
+    if qtype.kind == "binary":
+        return jnp.where(v >= 0, 1, -1).astype(dtype)
+    if qtype.kind == "float":
+        # Clip first: casting an out-of-range value to e4m3fn gives NaN.
+        return saturate(v, qtype.qmin, qtype.qmax).astype(dtype)
+    levels = jnp.asarray(qtype.codebook, jnp.float32)
+    midpoints = (levels[1:] + levels[:-1]) / 2
+    return jnp.searchsorted(midpoints, saturate(v, qtype.qmin, qtype.qmax)).astype(dtype)
+
+
+def decode(codes: jax.Array, qtype: QType) -> jax.Array:
+    """The float32 value of each code, before scaling (inverse of :func:`encode`)."""
+    if qtype.kind == "codebook":
+        return jnp.take(jnp.asarray(qtype.codebook, jnp.float32), codes.astype(jnp.int32))
+    return codes.astype(jnp.float32)

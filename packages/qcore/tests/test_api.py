@@ -1,0 +1,50 @@
+"""The public API is pinned, and importing qcore pulls in no heavy frameworks."""
+
+import subprocess
+import sys
+
+import qcore
+
+PUBLIC = {
+    "Calibrator",
+    "HowToQuantize",
+    "Packing",
+    "QArray",
+    "QType",
+    "__version__",
+    "calibrate",
+    "calibration",
+    "dequantize",
+    "fake_quant",
+    "fakequant",
+    "mean_relative_error",
+    "metrics",
+    "numerics",
+    "pack",
+    "packing",
+    "qarray",
+    "qtypes",
+    "quantize",
+    "quantize_with_scale_zero_point",
+    "requantize",
+    "sqnr_db",
+    "unpack",
+}
+
+
+def test_public_api_is_pinned():
+    assert set(qcore.__all__) == PUBLIC
+    for name in PUBLIC:
+        assert hasattr(qcore, name), name
+
+
+def test_import_does_not_pull_in_frameworks():
+    code = (
+        "import sys, qcore; "
+        "bad = sorted(m for m in sys.modules if m.split('.')[0] in "
+        "{'flax', 'tensorflow', 'tf_keras', 'torch', 'litert', 'ai_edge_litert', "
+        "'litert_converter', 'optax', 'qflax', 'qlitert', 'qtorchlike'}); "
+        "print(','.join(bad))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == ""

@@ -1,0 +1,138 @@
+"""Repository-wide checks: CI entry point, package layout, noxfile, dependency direction."""
+
+from __future__ import annotations
+
+import ast
+import re
+import shlex
+import tomllib
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES_DIR = ROOT / "packages"
+PACKAGE_NAMES = sorted(
+    p.name for p in PACKAGES_DIR.iterdir() if p.is_dir() and not p.name.startswith((".", "_"))
+)
+
+# Packages qcore must never depend on (DESIGN.md: qcore <- qflax <- qlitert, qcore <- qtorchlike).
+QCORE_FORBIDDEN = {"flax", "tensorflow", "torch", "litert", "qflax", "qlitert", "qtorchlike"}
+
+
+def fenced_blocks(markdown: str) -> list[str]:
+    """Return the bodies of the top-level ``` fenced blocks of a markdown text."""
+    return re.findall(r"^```[^\n]*\n(.*?)^```\s*$", markdown, flags=re.MULTILINE | re.DOTALL)
+
+
+def script_commands(script: str) -> list[str]:
+    """Return the commands a bash script runs, without comments, set-up and cd lines."""
+    commands = []
+    for line in script.splitlines():
+        line = line.strip()
+        if not line or line.startswith("#") or line.startswith(("set ", "cd ")):
+            continue
+        commands.append(line)
+    return commands
+
+
+def pip_install_targets(command: str) -> set[str]:
+    """Return the packages a ``[python -m] pip install [options] pkg...`` command installs."""
+    words = shlex.split(command)
+    start = words.index("install") + 1
+    return {w for w in words[start:] if not w.startswith("-")}
+
+
+def requirement_name(requirement: str) -> str:
+    """Return the normalised distribution name of a PEP 508 requirement string."""
+    match = re.match(r"\s*([A-Za-z0-9][A-Za-z0-9._-]*)", requirement)
+    assert match, requirement
+    return re.sub(r"[-_.]+", "-", match.group(1)).lower()
+
+
+def noxfile_packages() -> dict[str, list[str]]:
+    """Return the PACKAGES dict of noxfile.py, read without importing nox."""
+    tree = ast.parse((ROOT / "noxfile.py").read_text(encoding="utf-8"))
+    for node in tree.body:
+        target = getattr(node, "target", None) or getattr(node, "targets", [None])[0]
+        if isinstance(target, ast.Name) and target.id == "PACKAGES":
+            assert isinstance(node, ast.Assign | ast.AnnAssign) and node.value is not None
+            return ast.literal_eval(node.value)
+    raise AssertionError("noxfile.py defines no PACKAGES")
+
+
+def test_ci_runs_exactly_the_readme_test_command() -> None:
+    readme_blocks = fenced_blocks((ROOT / "README.md").read_text(encoding="utf-8"))
+    assert len(readme_blocks) >= 2, "README.md needs the demo and the test command blocks"
+    readme_install, readme_test = (c.strip() for c in readme_blocks[1].strip().split("&&"))
+
+    ci = script_commands((ROOT / ".ci" / "run").read_text(encoding="utf-8"))
+    assert ci[-1] == readme_test == "nox"
+    assert len(ci) == 2, ci
+    assert pip_install_targets(ci[0]) == pip_install_targets(readme_install) == {"nox", "uv"}
+
+
+def test_ci_script_is_strict_bash_and_executable() -> None:
+    script = ROOT / ".ci" / "run"
+    text = script.read_text(encoding="utf-8")
+    assert text.startswith("#!/usr/bin/env bash\n")
+    assert "set -euo pipefail" in text
+    assert script.stat().st_mode & 0o111
+
+
+def test_readme_demo_command_runs_the_demo_session() -> None:
+    demo = fenced_blocks((ROOT / "README.md").read_text(encoding="utf-8"))[0].strip()
+    assert demo == "pip install nox uv && nox -s demo"
+
+
+def test_there_is_at_least_one_package() -> None:
+    assert "qcore" in PACKAGE_NAMES
+
+
+@pytest.mark.parametrize("name", PACKAGE_NAMES)
+def test_package_layout(name: str) -> None:
+    package = PACKAGES_DIR / name
+    assert (package / "pyproject.toml").is_file()
+    assert (package / "src" / name / "__init__.py").is_file()
+    assert list((package / "tests").glob("test_*.py")), f"{name}/tests has no test_*.py"
+
+
+@pytest.mark.parametrize("name", PACKAGE_NAMES)
+def test_package_pyproject_names_it_and_has_a_test_group(name: str) -> None:
+    with open(PACKAGES_DIR / name / "pyproject.toml", "rb") as f:
+        pyproject = tomllib.load(f)
+    assert pyproject["project"]["name"] == name
+    assert "test" in pyproject.get("dependency-groups", {}), f"{name} has no test group"
+
+
+def test_noxfile_packages_match_the_packages_directory() -> None:
+    packages = noxfile_packages()
+    assert sorted(packages) == PACKAGE_NAMES
+    for name, local_deps in packages.items():
+        assert set(local_deps) <= set(packages) - {name}, (name, local_deps)
+
+
+@pytest.mark.parametrize("name", PACKAGE_NAMES)
+def test_noxfile_local_deps_match_pyproject(name: str) -> None:
+    with open(PACKAGES_DIR / name / "pyproject.toml", "rb") as f:
+        deps = {requirement_name(r) for r in tomllib.load(f)["project"].get("dependencies", [])}
+    local = deps & set(PACKAGE_NAMES)
+    # The noxfile may list transitive local deps too, but must list every direct one.
+    assert local <= set(noxfile_packages()[name]), (name, local)
+
+
+def test_qcore_depends_on_no_framework_or_downstream_package() -> None:
+    with open(PACKAGES_DIR / "qcore" / "pyproject.toml", "rb") as f:
+        pyproject = tomllib.load(f)
+    requirements = list(pyproject["project"].get("dependencies", []))
+    for extra in pyproject["project"].get("optional-dependencies", {}).values():
+        requirements += extra
+    names = {requirement_name(r) for r in requirements}
+    assert not names & QCORE_FORBIDDEN
+    assert not {n for n in names if n.startswith(("ai-edge-litert", "litert", "tensorflow"))}
+
+
+def test_requirement_name_normalises() -> None:
+    assert requirement_name("ml_dtypes>=0.5") == "ml-dtypes"
+    assert requirement_name("jax[cpu] >= 0.10.2") == "jax"
+    assert requirement_name("Flax; python_version>'3'") == "flax"
