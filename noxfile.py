@@ -15,6 +15,14 @@ nox.options.error_on_missing_interpreters = True
 
 PYTHON = "3.11"
 
+# Tools whose output can change between releases are pinned to the versions
+# this repository was last checked with.
+RUFF = "ruff==0.17.6"
+PYRIGHT = "pyright[nodejs]==1.1.414"
+SPHINX = ["sphinx==9.0.4", "myst-parser==5.2.0"]
+# What examples/ needs beyond the packages (the integration tests run the demo).
+DEMO_DEPS = ["matplotlib", "scikit-learn"]
+
 # Every package under packages/, mapped to the local packages it depends on
 # (in install order). Adding a package is one line here, e.g.
 #     "qflax": ["qcore"],
@@ -61,15 +69,15 @@ def slow(session: nox.Session, package: str) -> None:
 
 @nox.session(python=PYTHON)
 def integration(session: nox.Session) -> None:
-    """Run the cross-package tests in tests/ with every package installed."""
-    session.install(*_editable(*PACKAGES), "pytest")
+    """Run the cross-package tests in tests/ (incl. the quick demo) with every package installed."""
+    session.install(*_editable(*PACKAGES), *DEMO_DEPS, "pytest")
     session.run("pytest", "tests", *session.posargs)
 
 
 @nox.session(python=PYTHON)
 def lint(session: nox.Session) -> None:
     """Check lint rules and formatting with ruff."""
-    session.install("ruff")
+    session.install(RUFF)
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
 
@@ -77,7 +85,7 @@ def lint(session: nox.Session) -> None:
 @nox.session(python=PYTHON)
 def typecheck(session: nox.Session) -> None:
     """Type-check every package's src/ with pyright (config in pyproject.toml)."""
-    session.install(*_editable(*PACKAGES), "pyright[nodejs]")
+    session.install(*_editable(*PACKAGES), PYRIGHT)
     # Point pyright at this session's interpreter so it sees the installed packages.
     python = os.path.join(session.bin, "python")
     session.run("pyright", "--pythonpath", python, *session.posargs)
@@ -86,7 +94,7 @@ def typecheck(session: nox.Session) -> None:
 @nox.session(python=PYTHON)
 def docs(session: nox.Session) -> None:
     """Execute every >>> example in docs/*.md, then build the HTML docs with warnings as errors."""
-    session.install(*_editable(*PACKAGES), "sphinx", "myst-parser", "pytest")
+    session.install(*_editable(*PACKAGES), *SPHINX, "pytest")
     session.run("pytest", "--doctest-glob=*.md", "docs", "-p", "no:cacheprovider")
     session.run("sphinx-build", "-W", "--keep-going", "-b", "html", "docs", "docs/_build/html")
 
@@ -94,5 +102,5 @@ def docs(session: nox.Session) -> None:
 @nox.session(python=PYTHON)
 def demo(session: nox.Session) -> None:
     """Run the qcore tour example (quantizes a small digits classifier, writes a PNG)."""
-    session.install(*_editable("qcore"), "matplotlib", "scikit-learn")
+    session.install(*_editable("qcore"), *DEMO_DEPS)
     session.run("python", "examples/qcore_tour.py", *session.posargs)

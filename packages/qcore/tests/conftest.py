@@ -8,7 +8,7 @@ import jax
 import pytest
 from hypothesis import settings
 
-settings.register_profile("qcore", max_examples=40, deadline=None, derandomize=True)
+settings.register_profile("qcore", max_examples=40, deadline=None, derandomize=True, database=None)
 settings.load_profile("qcore")
 
 

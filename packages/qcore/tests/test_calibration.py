@@ -109,6 +109,18 @@ def test_all_nan_block_gives_zero_range():
         np.testing.assert_array_equal(hi, 0.0)
 
 
+def test_mse_string_arguments():
+    assert calibration.parse("mse,64,0.1") == calibration.Mse(64, 0.1)
+    assert calibration.parse("mse") == calibration.Mse(32, 0.3)
+
+
+def test_mse_for_binary_is_the_closed_form_mean_abs():
+    # For int1 the codes are sign(x), so sum((|x| - s)^2) is minimal at s = mean|x|.
+    lo, hi = run("mse", qtype=qtypes.get("int1"))
+    np.testing.assert_allclose(hi, np.mean(np.abs(X), axis=1, keepdims=True), rtol=1e-6)
+    np.testing.assert_allclose(lo, -hi)
+
+
 def test_callables_pass_through():
     cal = calibration.Fixed(-1.0, 2.0)
     assert calibration.parse(cal) is cal
@@ -126,6 +138,8 @@ def test_callables_pass_through():
         ("fixed,1", r"'fixed' takes 2 argument"),
         ("percentile,0", r"q=0.0 must be in \(0, 100\]"),
         ("mse,1.5", r"steps=1.5 must be an integer >= 2"),
+        ("mse,8,1.5", r"min_ratio=1.5 must be in \(0, 1\)"),
+        ("mse,8,0.1,3", r"'mse' takes 0 or 1 or 2 argument"),
         ("minmax,2", r"'minmax' takes 0 argument"),
         (3.0, r"calibration=3.0 must be a string"),
     ],

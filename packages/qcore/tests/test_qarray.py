@@ -68,7 +68,10 @@ def quantize_cases(draw):
 
 @given(quantize_cases())
 def test_round_trip_within_half_a_step_inside_the_calibrated_range(case):
-    x, how = case
+    _assert_half_step(*case)
+
+
+def _assert_half_step(x, how):
     q = quantize(x, how)
     assert q.qvalue.dtype == how.resolved_qtype.storage_dtype
     assert q.scale.shape == how.scale_shape(x.shape)
@@ -79,10 +82,28 @@ def test_round_trip_within_half_a_step_inside_the_calibrated_range(case):
     lo, hi = calibrated_bounds(x, how)
     inside = (xf >= lo) & (xf <= hi)
     # Half a step, plus one rounding of the dequantized value to x's dtype.
-    tol = expand(q.scale.astype(jnp.float32), x.shape) / 2 * (1 + 1e-5) + float(
-        jnp.finfo(x.dtype).eps
-    ) * np.abs(xf)
+    tol = expand(q.scale.astype(jnp.float32), x.shape) / 2 * (1 + 1e-5)
+    tol = tol + float(jnp.finfo(x.dtype).eps) * np.abs(xf)
     assert np.all(err[inside] <= tol[inside]), (err - tol)[inside].max()
+    return inside
+
+
+GRANULARITIES = [{}, {"channelwise_axes": (1,)}, {"channelwise_axes": (1,), "tiled_axes": {0: 8}}]
+
+
+@pytest.mark.parametrize("qtype", UNIFORM)
+def test_every_calibration_and_granularity_within_half_a_step(qtype):
+    # A deterministic sweep so that every (qtype, calibration) pair runs at least
+    # once, cycling granularity and symmetry; the hypothesis test above explores
+    # shapes, dtypes and magnitudes at random.
+    x = jax.random.normal(jax.random.key(len(qtype)), (32, 6)) * 3 + 0.5
+    covered = 0
+    for i, cal in enumerate(CALIBRATIONS):
+        how = HowToQuantize(
+            qtype=qtype, calibration=cal, symmetric=i % 2 == 0, **GRANULARITIES[i % 3]
+        )
+        covered += int(_assert_half_step(x, how).sum())
+    assert covered > 0
 
 
 @pytest.mark.parametrize("qtype", UNIFORM)
@@ -448,6 +469,18 @@ def test_transposing_a_packed_qarray_keeps_its_packing():
 
 
 # -- other entry points -------------------------------------------------------------
+
+
+def test_zero_points_are_stored_as_integers():
+    x = jax.random.normal(jax.random.key(8), (16, 8)) + 1
+    for qtype in ["int8", "uint4", "int16"]:
+        how = HowToQuantize(
+            qtype=qtype, channelwise_axes=(1,), calibration="minmax", symmetric=False
+        )
+        q = quantize(x, how)
+        assert q.zero_point is not None
+        assert q.zero_point.dtype == qtypes.get(qtype).storage_dtype
+        assert q.nbytes == q.qvalue.nbytes + q.scale.nbytes + q.zero_point.nbytes
 
 
 def test_quantize_with_given_scale_and_zero_point():

@@ -18,6 +18,7 @@ Strings are parsed only at the edges by :func:`parse`::
     "mse"             Mse()                the clipping ratio of the absmax (or
                                            minmax) range that minimises the
                                            squared quantization error, per block
+    "mse,64,0.1"      Mse(64, 0.1)         64 ratios searched in [0.1, 1]
 
 Example:
     >>> import jax.numpy as jnp
@@ -149,7 +150,8 @@ class Mse:
     Tries ``steps`` ratios evenly spaced in ``[min_ratio, 1]`` of the absmax
     range (minmax when asymmetric), quantizing with round-to-nearest-even, and
     keeps each block's best. Ratio 1 is always a candidate, so the result is
-    never worse than absmax/minmax.
+    never worse than absmax/minmax. For ``int1`` the optimum is exact:
+    ``±mean|x|``.
     """
 
     steps: int = 32
@@ -158,6 +160,11 @@ class Mse:
     def __call__(self, x, axes, *, qtype, symmetric=True, narrow_range=False):  # noqa: D102
         axes = tuple(axes)
         xf = _finite(x, 0.0)
+        if qtype.kind == "binary":
+            # Codes are sign(x) whatever the scale, so the squared error
+            # sum((|x| - s)^2) has its minimum in closed form at s = mean|x|.
+            s = jnp.mean(jnp.abs(xf), axis=axes, keepdims=True)
+            return -s, s
         base_lo, base_hi = _minmax(xf, axes) if not symmetric else AbsMax()(xf, axes, qtype=qtype)
 
         def error(ratio: jax.Array) -> jax.Array:
@@ -228,7 +235,7 @@ def parse(calibration: str | Calibrator) -> Calibrator:
     except ValueError:
         raise bad(f"arguments {raw} must be numbers") from None
     arity = {"absmax": (0, 1), "minmax": (0,), "rms": (1,), "fixed": (2,)}
-    arity |= {"percentile": (1,), "mse": (0, 1)}
+    arity |= {"percentile": (1,), "mse": (0, 1, 2)}
     if name not in arity:
         raise bad(f"unknown method {name!r}; allowed: {', '.join(_NAMES)}")
     if len(args) not in arity[name]:
@@ -255,7 +262,10 @@ def parse(calibration: str | Calibrator) -> Calibrator:
         if not 0 < args[0] <= 100:
             raise bad(f"q={args[0]} must be in (0, 100]")
         return Percentile(args[0])
-    steps = int(args[0]) if args else 32
-    if steps < 2 or steps != (args[0] if args else 32):
-        raise bad(f"steps={args[0] if args else steps} must be an integer >= 2")
-    return Mse(steps)
+    steps = args[0] if args else 32
+    if steps < 2 or steps != int(steps):
+        raise bad(f"steps={steps} must be an integer >= 2")
+    min_ratio = args[1] if len(args) > 1 else 0.3
+    if not 0 < min_ratio < 1:
+        raise bad(f"min_ratio={min_ratio} must be in (0, 1)")
+    return Mse(int(steps), min_ratio)

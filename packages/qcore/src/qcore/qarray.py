@@ -198,7 +198,8 @@ class QArray:
     Attributes:
         qvalue: Codes in ``qtype.storage_dtype``, or ``uint8`` bytes when packed.
         scale: Scale with the value's rank (generic broadcast rule).
-        zero_point: Integral float32 zero points shaped like ``scale``, or None.
+        zero_point: Integer zero points (in the codes' storage dtype) shaped like
+            ``scale``, or None.
         tensor_scale: Per-tensor float32 scale (nvfp4), shaped ``(1,) * ndim``,
             or None.
         qtype: The quantization type (static).
@@ -550,6 +551,9 @@ def _calibrate(x: jax.Array, how: HowToQuantize):
     scale, zero_point = numerics.scale_from_range(
         lo, hi, qtype, symmetric=how.symmetric, narrow_range=how.narrow_range
     )
+    if zero_point is not None:
+        # Integral and within the code range, so the codes' dtype holds it exactly.
+        zero_point = zero_point.astype(qtype.storage_dtype)
     tensor_scale = None
     if qtype.tensor_scale:
         # nvfp4: a float32 per-tensor scale keeps every block scale inside e4m3's
@@ -618,7 +622,8 @@ def quantize_with_scale_zero_point(
         qtype: Target type.
         scale: Scales following the generic broadcast rule for ``x``'s shape.
         zero_point: Integral zero points shaped like ``scale`` (uniform integer
-            types only), or None.
+            types only), or None; stored rounded, clipped to the code range, in the
+            codes' dtype.
         tensor_scale: Per-tensor scale multiplying ``scale`` (nvfp4), or None.
         rounding: See :func:`qcore.numerics.round_values`.
         narrow_range: See :func:`qcore.numerics.int_range`.
@@ -644,8 +649,11 @@ def quantize_with_scale_zero_point(
                 f"zero_point given but qtype={qtype.name!r} (kind {qtype.kind!r}) cannot "
                 "hold a zero point; allowed: uniform integer qtypes"
             )
-        zero_point = jnp.asarray(zero_point, jnp.float32)
+        zero_point = jnp.asarray(zero_point)
         _check_scale_shape(x.shape, zero_point.shape, "zero_point")
+        qmin, qmax = numerics.int_range(qtype, narrow_range)
+        zp32 = jnp.round(zero_point.astype(jnp.float32))  # exact for every int dtype here
+        zero_point = jnp.clip(zp32, qmin, qmax).astype(qtype.storage_dtype)
     return _encode(x, scale, zero_point, tensor_scale, key, qtype, rounding, narrow_range)
 
 
@@ -658,7 +666,7 @@ def _encode(x, scale, zero_point, tensor_scale, key, qtype, rounding, narrow_ran
     def enc(xb, sb, zb):
         v = xb.astype(jnp.float32) / sb
         if zb is not None:
-            v = v + zb
+            v = v + zb.astype(jnp.float32)
         return numerics.encode(v, qtype, rounding=rounding, narrow_range=narrow_range, key=key)
 
     codes = _apply(x, enc, s32, zero_point)
@@ -686,7 +694,7 @@ def _dequantize(q: QArray, dtype: np.dtype) -> jax.Array:
     def dec(cb, sb, zb):
         v = numerics.decode(cb, q.qtype)
         if zb is not None:
-            v = v - zb
+            v = v - zb.astype(jnp.float32)
         return v * sb
 
     return _apply(q.qvalue, dec, s32, q.zero_point).astype(dtype)
