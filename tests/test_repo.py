@@ -136,3 +136,12 @@ def test_requirement_name_normalises() -> None:
     assert requirement_name("ml_dtypes>=0.5") == "ml-dtypes"
     assert requirement_name("jax[cpu] >= 0.10.2") == "jax"
     assert requirement_name("Flax; python_version>'3'") == "flax"
+
+
+def test_readme_python_examples_run() -> None:
+    # The README's python snippets are run here so they cannot drift from the code.
+    readme = (ROOT / "README.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", readme, flags=re.S)
+    assert blocks, "README.md should show qcore in a python block"
+    for block in blocks:
+        exec(compile(block, "README.md", "exec"), {})

@@ -589,6 +589,10 @@ def test_other_bad_inputs():
         qcore.quantize_with_scale_zero_point(jnp.ones(4), "int8", jnp.ones(3))
     with pytest.raises(ValueError, match="zero_point given but qtype='nf4'"):
         qcore.quantize_with_scale_zero_point(jnp.ones(4), "nf4", jnp.ones(1), jnp.zeros(1))
+    with pytest.raises(ValueError, match=r"qvalue has dtype int32; qtype='int8' stores its codes"):
+        QArray(jnp.ones((3, 4), jnp.int32), jnp.ones((1, 1)), qtype="int8")
+    with pytest.raises(AttributeError, match="QArray is immutable"):
+        QArray(jnp.ones((3, 4), jnp.int8), jnp.ones((1, 1)), qtype="int8").scale = jnp.ones(1)
     with pytest.raises(ValueError, match=r"scale shape \(2, 1\) does not fit value shape \(3, 4\)"):
         QArray(jnp.ones((3, 4), jnp.int8), jnp.ones((2, 1)), qtype="int8")
 

@@ -231,10 +231,19 @@ class QArray:
         qtype = qtypes.get(qtype)
         qvalue, scale = jnp.asarray(qvalue), jnp.asarray(scale)
         dtype = jnp.dtype(dtype if dtype is not None else scale.dtype)
+        expected = jnp.dtype(jnp.uint8) if packing is not None else qtype.storage_dtype
+        if qvalue.dtype != expected:
+            raise ValueError(
+                f"qvalue has dtype {qvalue.dtype}; qtype={qtype.name!r} stores its "
+                f"{'packed ' if packing is not None else ''}codes as {expected}"
+            )
         _set(self, qvalue, scale, zero_point, tensor_scale, qtype, dtype, packing)
         _check_scale_shape(self.shape, scale.shape, "scale")
         if zero_point is not None:
             _check_scale_shape(self.shape, jnp.shape(zero_point), "zero_point")
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(f"QArray is immutable; cannot set {name!r}")
 
     # -- shape-like protocol --------------------------------------------------
     @property
