@@ -4,8 +4,10 @@ Quantization types (:mod:`qcore.qtypes`), calibration
 (:mod:`qcore.calibration`), the :class:`QArray` pytree with quantize /
 dequantize (:mod:`qcore.qarray`), rounding and scale arithmetic
 (:mod:`qcore.numerics`), fake quantization with straight-through gradients
-(:mod:`qcore.fakequant`), sub-byte packing (:mod:`qcore.packing`) and error
-metrics (:mod:`qcore.metrics`). Depends on jax, numpy and ml_dtypes only.
+(:mod:`qcore.fakequant`), sub-byte packing (:mod:`qcore.packing`), error
+metrics (:mod:`qcore.metrics`) and ops that take QArrays (:mod:`qcore.ops`:
+``dot_general``, ``einsum``, ``dot``, ``matmul``, ``conv_general_dilated``,
+``ragged_dot``). Depends on jax, numpy and ml_dtypes only.
 
 Example:
     >>> import jax.numpy as jnp
@@ -17,10 +19,11 @@ Example:
     [0.502, -1.004, 1.992]
 """
 
-from qcore import calibration, fakequant, metrics, numerics, packing, qarray, qtypes
+from qcore import calibration, fakequant, metrics, numerics, ops, packing, qarray, qtypes
 from qcore.calibration import Calibrator
 from qcore.fakequant import fake_quant
 from qcore.metrics import mean_relative_error, sqnr_db
+from qcore.ops import conv_general_dilated, dot, dot_general, einsum, matmul, ragged_dot
 from qcore.qarray import (
     HowToQuantize,
     Packing,
@@ -46,18 +49,25 @@ __all__ = [
     "__version__",
     "calibrate",
     "calibration",
+    "conv_general_dilated",
     "dequantize",
+    "dot",
+    "dot_general",
+    "einsum",
     "fake_quant",
     "fakequant",
+    "matmul",
     "mean_relative_error",
     "metrics",
     "numerics",
+    "ops",
     "pack",
     "packing",
     "qarray",
     "qtypes",
     "quantize",
     "quantize_with_scale_zero_point",
+    "ragged_dot",
     "requantize",
     "sqnr_db",
     "unpack",

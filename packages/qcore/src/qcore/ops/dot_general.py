@@ -1,0 +1,233 @@
+"""``dot_general`` on arrays and QArrays, with an integer path.
+
+Each operand is ``(values - zero_point) * scale`` (see :mod:`qcore.ops.operand`).
+The contraction is rewritten so that scales never multiply the inputs:
+
+1. A contracting axis along which either scale varies (sub-channel tiles) is
+   split into ``(groups, rest)``; the groups become an extra batch axis, so within
+   a group both scales are constant along every contracted axis.
+2. The values are contracted: int8 × int8 → int32 when both operands are integer
+   QArrays (the *integer path*), float32 otherwise.
+3. Zero points are corrected for on the (small) result:
+   ``Σ(a - za)(b - zb) = Σab - za·Σb - zb·Σa + za·zb·K``.
+4. The result is multiplied by both scales (broadcast along batch and free axes)
+   and the group axes are summed.
+
+This equals dequantize-then-contract up to float rounding, and never
+materialises a scaled copy of either operand.
+
+Result dtype: ``preferred_element_type`` if given, else the promotion of the
+operands' dtypes, where a QArray counts with its scale's dtype (or, for block
+scales such as e8m0, its dequantized dtype). So bf16 × (int8, bf16 scale) → bf16
+and bf16 × (int8, f32 scale) → f32.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from qcore.ops.operand import Operand, check_float_or_qarray, expand, operand
+from qcore.qarray import QArray
+
+Array = jax.Array
+DimensionNumbers = tuple[tuple[Sequence[int], Sequence[int]], tuple[Sequence[int], Sequence[int]]]
+
+
+def dot_general(
+    lhs: Array | QArray,
+    rhs: Array | QArray,
+    dimension_numbers: DimensionNumbers,
+    precision: Any = None,
+    preferred_element_type: Any = None,
+) -> Array:
+    """``lax.dot_general`` where either operand may be a :class:`~qcore.QArray`.
+
+    Args:
+        lhs: An array or QArray.
+        rhs: An array or QArray.
+        dimension_numbers: ``((lhs_contracting, rhs_contracting), (lhs_batch,
+            rhs_batch))`` as in ``lax.dot_general``.
+        precision: Passed to the float contraction.
+        preferred_element_type: Result dtype (see the module docstring).
+
+    Returns:
+        The contraction, laid out as ``lax.dot_general`` lays it out (batch, lhs
+        free, rhs free).
+
+    Raises:
+        ValueError: For mismatched contracting or batch dims, or scales whose tiles
+            along a contracting axis cannot be aligned.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> import qcore
+        >>> x = jax.random.normal(jax.random.key(0), (2, 64))
+        >>> w = jax.random.normal(jax.random.key(1), (64, 8))
+        >>> how = qcore.HowToQuantize(qtype="int8", channelwise_axes=(1,))
+        >>> y = qcore.dot_general(x, qcore.quantize(w, how), (((1,), (0,)), ((), ())))
+        >>> ref = x @ w
+        >>> float(jnp.max(jnp.abs(y - ref)) / jnp.max(jnp.abs(ref))) < 0.01
+        True
+    """
+    check_float_or_qarray(lhs, "lhs")
+    check_float_or_qarray(rhs, "rhs")
+    if not isinstance(lhs, QArray) and not isinstance(rhs, QArray):
+        return lax.dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type)
+    a, b = operand(lhs), operand(rhs)
+    out_dtype = jnp.dtype(preferred_element_type or jnp.result_type(a.dtype, b.dtype))
+    dims = _check_dims(a.shape, b.shape, dimension_numbers)
+    return scaled_dot_general(a, b, dims, precision).astype(out_dtype)
+
+
+def _axes(axes: Sequence[int], ndim: int, name: str) -> tuple[int, ...]:
+    out = []
+    for a in axes:
+        if not -ndim <= a < ndim:
+            raise ValueError(f"{name}: axis {a} is out of range for rank {ndim}")
+        out.append(a % ndim)
+    if len(set(out)) != len(out):
+        raise ValueError(f"{name}={tuple(axes)} repeats an axis")
+    return tuple(out)
+
+
+def _check_dims(
+    lshape: tuple[int, ...], rshape: tuple[int, ...], dimension_numbers: DimensionNumbers
+) -> tuple[tuple[tuple[int, ...], tuple[int, ...]], tuple[tuple[int, ...], tuple[int, ...]]]:
+    (lc, rc), (lb, rb) = dimension_numbers
+    lc, lb = _axes(lc, len(lshape), "lhs contracting"), _axes(lb, len(lshape), "lhs batch")
+    rc, rb = _axes(rc, len(rshape), "rhs contracting"), _axes(rb, len(rshape), "rhs batch")
+    for kind, la, ra in (("contracting", lc, rc), ("batch", lb, rb)):
+        sizes_l, sizes_r = [lshape[i] for i in la], [rshape[i] for i in ra]
+        if sizes_l != sizes_r:
+            raise ValueError(
+                f"{kind} dims do not match: lhs axes {la} have sizes {sizes_l}, rhs axes {ra} "
+                f"have sizes {sizes_r} (lhs shape {lshape}, rhs shape {rshape})"
+            )
+    if set(lc) & set(lb) or set(rc) & set(rb):
+        raise ValueError("an axis cannot be both contracting and batch")
+    return (lc, rc), (lb, rb)
+
+
+def _canonical(x: Operand, contracting, batch, groups) -> tuple[Operand, int, int]:
+    """Transposes to (batch, groups, contracting-rest, free) with contracting axes split.
+
+    Returns the operand and the numbers of free axes and of contracting axes.
+    """
+    free = [i for i in range(x.ndim) if i not in contracting and i not in batch]
+    perm = (*batch, *contracting, *free)
+    nb, nc = len(batch), len(contracting)
+
+    def arrange(a: Array, is_values: bool) -> Array:
+        a = jnp.transpose(a, perm)
+        split = []
+        for j, g in enumerate(groups):
+            d = a.shape[nb + j]
+            if is_values:
+                split.append((g, d // g))
+            else:
+                # A scale (or zero point) dim of t tiles, t dividing g: repeat to g.
+                a = expand_axis(a, nb + j, g)
+                split.append((g, 1))
+        new_shape = (
+            *a.shape[:nb],
+            *(s for s, _ in split),
+            *(r for _, r in split),
+            *a.shape[nb + nc :],
+        )
+        # Reshape (g0, r0, g1, r1, ...) then move the g's before the r's.
+        inter = (*a.shape[:nb], *(v for pair in split for v in pair), *a.shape[nb + nc :])
+        a = a.reshape(inter)
+        order = (
+            *range(nb),
+            *(nb + 2 * j for j in range(nc)),
+            *(nb + 2 * j + 1 for j in range(nc)),
+            *range(nb + 2 * nc, len(inter)),
+        )
+        return jnp.transpose(a, order).reshape(new_shape)
+
+    values = arrange(x.values, True)
+    scale = None if x.scale is None else arrange(x.scale, False)
+    zp = None if x.zero_point is None else arrange(x.zero_point, False)
+    return Operand(values, scale, zp, x.integer, x.dtype), len(free), nc
+
+
+def expand_axis(a: Array, axis: int, size: int) -> Array:
+    """Repeats ``a`` along ``axis`` from a divisor of ``size`` up to ``size``."""
+    s = a.shape[axis]
+    return a if s == size else jnp.repeat(a, size // s, axis=axis, total_repeat_length=size)
+
+
+def _groups(a: Operand, b: Operand, lc, rc) -> list[int]:
+    groups = []
+    for i, j in zip(lc, rc, strict=True):
+        t_a = 1 if a.scale is None else a.scale.shape[i]
+        t_b = 1 if b.scale is None else b.scale.shape[j]
+        g = max(t_a, t_b)
+        if g % t_a or g % t_b:
+            k = a.shape[i]
+            raise ValueError(
+                f"incompatible tiles along contracting axes lhs {i} / rhs {j} (size {k}): "
+                f"lhs has {t_a} scale tiles (tile {k // t_a}) and rhs has {t_b} (tile "
+                f"{k // t_b}); one tile size must be a multiple of the other"
+            )
+        groups.append(g)
+    return groups
+
+
+def scaled_dot_general(a: Operand, b: Operand, dims, precision: Any = None) -> Array:
+    """The contraction of two normalised operands in float32 (see the module docstring)."""
+    (lc, rc), (lb, rb) = dims
+    groups = _groups(a, b, lc, rc)
+    a, nfa, nc = _canonical(a, lc, lb, groups)
+    b, nfb, _ = _canonical(b, rc, rb, groups)
+    integer = a.integer and b.integer
+    if not integer:
+        a, b = a.as_float(), b.as_float()
+    nb, ng = len(lb), nc
+    # Canonical layout: (batch nb, groups ng, rest nc, free).
+    contract = tuple(range(nb + ng, nb + ng + nc))
+    batch = tuple(range(nb + ng))
+    acc_dtype = jnp.int32 if integer else jnp.float32
+    acc = lax.dot_general(
+        a.values,
+        b.values,
+        ((contract, contract), (batch, batch)),
+        precision=None if integer else precision,
+        preferred_element_type=acc_dtype,
+    )
+    # acc: (batch, groups, a free, b free)
+
+    def to_out(x: Array, side: str) -> Array:
+        """A per-side array in canonical layout (rest dims of size 1) -> output layout.
+
+        Tiled dims are repeated up to the output's size; size-1 dims broadcast.
+        """
+        x = x.reshape(x.shape[: nb + ng] + x.shape[nb + ng + nc :])
+        if side == "a":
+            x = x.reshape(x.shape + (1,) * nfb)
+        else:
+            x = x.reshape(x.shape[: nb + ng] + (1,) * nfa + x.shape[nb + ng :])
+        return expand(x, tuple(d if s != 1 else 1 for s, d in zip(x.shape, acc.shape, strict=True)))
+
+    def sum_rest(x: Operand) -> Array:
+        return jnp.sum(x.values, axis=contract, keepdims=True, dtype=acc_dtype)
+
+    if a.zero_point is not None:
+        acc = acc - to_out(a.zero_point, "a") * to_out(sum_rest(b), "b")
+    if b.zero_point is not None:
+        acc = acc - to_out(b.zero_point, "b") * to_out(sum_rest(a), "a")
+    if a.zero_point is not None and b.zero_point is not None:
+        k = math.prod(a.values.shape[nb + ng : nb + ng + nc])
+        acc = acc + to_out(a.zero_point, "a") * to_out(b.zero_point, "b") * k
+    out = acc.astype(jnp.float32)
+    if a.scale is not None:
+        out = out * to_out(a.scale, "a")
+    if b.scale is not None:
+        out = out * to_out(b.scale, "b")
+    return jnp.sum(out, axis=tuple(range(nb, nb + ng))) if ng else out
