@@ -6,11 +6,13 @@ import sys
 import qcore
 
 PUBLIC = {
+    "BackwardQuant",
     "Calibrator",
     "HowToQuantize",
     "Packing",
     "QArray",
     "QType",
+    "TrainingQuant",
     "__version__",
     "calibrate",
     "calibration",
@@ -35,6 +37,10 @@ PUBLIC = {
     "ragged_dot",
     "requantize",
     "sqnr_db",
+    "train_conv_general_dilated",
+    "train_dot_general",
+    "train_einsum",
+    "train_ragged_dot",
     "unpack",
 }
 

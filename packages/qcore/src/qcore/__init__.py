@@ -23,7 +23,20 @@ from qcore import calibration, fakequant, metrics, numerics, ops, packing, qarra
 from qcore.calibration import Calibrator
 from qcore.fakequant import fake_quant
 from qcore.metrics import mean_relative_error, sqnr_db
-from qcore.ops import conv_general_dilated, dot, dot_general, einsum, matmul, ragged_dot
+from qcore.ops import (
+    BackwardQuant,
+    TrainingQuant,
+    conv_general_dilated,
+    dot,
+    dot_general,
+    einsum,
+    matmul,
+    ragged_dot,
+    train_conv_general_dilated,
+    train_dot_general,
+    train_einsum,
+    train_ragged_dot,
+)
 from qcore.qarray import (
     HowToQuantize,
     Packing,
@@ -41,11 +54,13 @@ from qcore.qtypes import QType
 __version__ = "0.1.0"
 
 __all__ = [
+    "BackwardQuant",
     "Calibrator",
     "HowToQuantize",
     "Packing",
     "QArray",
     "QType",
+    "TrainingQuant",
     "__version__",
     "calibrate",
     "calibration",
@@ -70,5 +85,9 @@ __all__ = [
     "ragged_dot",
     "requantize",
     "sqnr_db",
+    "train_conv_general_dilated",
+    "train_dot_general",
+    "train_einsum",
+    "train_ragged_dot",
     "unpack",
 ]

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from qcore.ops.operand import Operand, check_float_or_qarray, operand
+from qcore.ops.operand import Operand, check_float_or_qarray, operand, promote
 from qcore.qarray import QArray
 
 Array = jax.Array
@@ -77,7 +77,7 @@ def conv_general_dilated(
             **conv,
         )
     a, b = operand(lhs), operand(rhs)
-    out_dtype = jnp.dtype(preferred_element_type or jnp.result_type(a.dtype, b.dtype))
+    out_dtype = jnp.dtype(preferred_element_type or promote(a.dtype, b.dtype))
     dn = lax.conv_dimension_numbers(a.shape, b.shape, dimension_numbers)
     lhs_batch, rhs_out = dn.lhs_spec[0], dn.rhs_spec[0]
     scaled = (

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from qcore.ops.dot_general import dot_general
-from qcore.ops.operand import check_float_or_qarray, operand
+from qcore.ops.operand import check_float_or_qarray, operand, promote
 from qcore.qarray import QArray
 
 Array = jax.Array
@@ -35,7 +35,7 @@ def dot(
     check_float_or_qarray(b, "b")
     if a.ndim == 0 or b.ndim == 0:
         x, y = operand(a), operand(b)
-        out_dtype = jnp.dtype(preferred_element_type or jnp.result_type(x.dtype, y.dtype))
+        out_dtype = jnp.dtype(preferred_element_type or promote(x.dtype, y.dtype))
         return (x.dequantized() * y.dequantized()).astype(out_dtype)
     axis_b = 0 if b.ndim == 1 else b.ndim - 2
     return dot_general(

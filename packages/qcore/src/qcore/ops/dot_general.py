@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from qcore.ops.operand import Operand, check_float_or_qarray, expand, operand
+from qcore.ops.operand import Operand, check_float_or_qarray, expand, operand, promote
 from qcore.qarray import QArray
 
 Array = jax.Array
@@ -80,7 +80,7 @@ def dot_general(
     if not isinstance(lhs, QArray) and not isinstance(rhs, QArray):
         return lax.dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type)
     a, b = operand(lhs), operand(rhs)
-    out_dtype = jnp.dtype(preferred_element_type or jnp.result_type(a.dtype, b.dtype))
+    out_dtype = jnp.dtype(preferred_element_type or promote(a.dtype, b.dtype))
     dims = _check_dims(a.shape, b.shape, dimension_numbers)
     return scaled_dot_general(a, b, dims, precision).astype(out_dtype)
 

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from qcore.ops.dot_general import dot_general
-from qcore.ops.operand import check_float_or_qarray, operand
+from qcore.ops.operand import check_float_or_qarray, operand, promote
 from qcore.qarray import QArray
 
 Array = jax.Array
@@ -122,7 +122,7 @@ def einsum(
 
 def _fallback(subscripts, lhs, rhs, precision, preferred_element_type) -> Array:
     a, b = operand(lhs), operand(rhs)
-    out_dtype = jnp.dtype(preferred_element_type or jnp.result_type(a.dtype, b.dtype))
+    out_dtype = jnp.dtype(preferred_element_type or promote(a.dtype, b.dtype))
     y = jnp.einsum(
         subscripts,
         a.dequantized(),

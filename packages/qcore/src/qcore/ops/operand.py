@@ -14,6 +14,7 @@ always contracts int8 × int8 → int32.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -83,6 +84,17 @@ _FULL_PRECISION_SCALES = {
 def result_dtype(q: QArray) -> np.dtype:
     """The dtype a QArray operand asks for: its scale's, unless that is a block scale."""
     return q.scale.dtype if q.scale.dtype in _FULL_PRECISION_SCALES else q.dtype
+
+
+def promote(*dtypes: Any) -> np.dtype:
+    """The result dtype of an op: standard JAX promotion of the operands' dtypes.
+
+    Evaluated under standard promotion on purpose: the dtype rule of our ops must
+    not depend on the caller's ``jax_numpy_dtype_promotion`` setting (in strict
+    mode f32 × bf16 has no implicit promotion; our ops give f32).
+    """
+    with jax.numpy_dtype_promotion("standard"):
+        return jnp.dtype(jnp.result_type(*dtypes))
 
 
 def operand(x: Array | QArray) -> Operand:

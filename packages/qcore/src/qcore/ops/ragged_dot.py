@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from qcore.ops.operand import Operand, check_float_or_qarray, expand, operand
+from qcore.ops.operand import Operand, check_float_or_qarray, expand, operand, promote
 from qcore.qarray import QArray
 
 Array = jax.Array
@@ -76,7 +76,7 @@ def ragged_dot(
     if not isinstance(lhs, QArray) and not isinstance(rhs, QArray):
         return lax.ragged_dot(lhs, rhs, group_sizes, precision, preferred_element_type)
     a, b = operand(lhs), operand(rhs)
-    out_dtype = jnp.dtype(preferred_element_type or jnp.result_type(a.dtype, b.dtype))
+    out_dtype = jnp.dtype(preferred_element_type or promote(a.dtype, b.dtype))
     return _scaled_ragged_dot(a, b, group_sizes, precision).astype(out_dtype)
 
 
