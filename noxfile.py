@@ -20,6 +20,8 @@ PYTHON = "3.11"
 RUFF = "ruff==0.17.6"
 PYRIGHT = "pyright[nodejs]==1.1.414"
 SPHINX = ["sphinx==9.0.4", "myst-parser==5.2.0"]
+# The reference library the benchmarks compare against.
+QWIX = "qwix==0.1.8"
 # What examples/ needs beyond the packages (the integration tests run the demo).
 DEMO_DEPS = ["matplotlib", "scikit-learn"]
 
@@ -104,3 +106,10 @@ def demo(session: nox.Session) -> None:
     """Run the qcore tour example (quantizes a small digits classifier, writes a PNG)."""
     session.install(*_editable("qcore"), *DEMO_DEPS)
     session.run("python", "examples/qcore_tour.py", *session.posargs)
+
+
+@nox.session(python=PYTHON)
+def bench(session: nox.Session) -> None:
+    """Run the benchmarks (benchmarks/*.py) against float and Qwix; not in the default suite."""
+    session.install(*_editable(*PACKAGES), QWIX)
+    session.run("python", "benchmarks/ops.py", *session.posargs)

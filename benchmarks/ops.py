@@ -1,0 +1,276 @@
+"""Speed of qcore's quantized ops against float and against Qwix, on this CPU.
+
+Every figure is the median of ``--reps`` timed calls after warm-up, each call on
+a different weight buffer from a ring of ``--ring`` buffers (so no call finds
+the previous call's weights in cache), in one process. Ratios compare
+configurations measured in the same run. The machine, versions, allocator
+setting (``GLIBC_TUNABLES``), shapes and repetitions are printed and written to
+the JSON next to the results.
+
+Configurations (weights quantized ahead of time, activations at call time):
+
+* ``fp32`` / ``bf16``: ``x @ w`` (``lax.conv_general_dilated``) in that dtype.
+* ``int8 w-only``: int8 weights, one scale per output channel, float activations.
+* ``int4 w-only``: int4 weights packed two per byte, one scale per output channel.
+* ``w8a8``: int8 weights and int8 activations quantized per row at call time.
+* ``qwix int8 w-only`` / ``qwix w8a8``: the same with Qwix 0.1.8's ``dot_general``
+  (or ``conv_general_dilated``) on its own QArrays.
+
+Run: ``nox -s bench`` (or ``python benchmarks/ops.py --help``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import qcore
+
+HERE = Path(__file__).resolve().parent
+DOT = (((1,), (0,)), ((), ()))
+CONV_DN = ("NHWC", "HWIO", "NHWC")
+MATMUL_SHAPES = [(1, 4096, 4096), (8, 4096, 4096), (64, 4096, 4096)]
+CONV_SHAPE = ((8, 56, 56, 64), (3, 3, 64, 64))
+
+W8 = qcore.HowToQuantize(qtype="int8", channelwise_axes=(1,))
+W4 = qcore.HowToQuantize(qtype="int4", channelwise_axes=(1,), pack=True, pack_axis=0)
+A8 = qcore.HowToQuantize(qtype="int8", channelwise_axes=(0,))
+K8 = qcore.HowToQuantize(qtype="int8", channelwise_axes=(3,))
+X8 = qcore.HowToQuantize(qtype="int8", channelwise_axes=(0,))
+
+Impl = tuple[Callable[..., jax.Array], Callable[[jax.Array], Any]]
+
+
+def matmul_impls(qwix: Any) -> dict[str, Impl]:
+    """name -> (jitted fn(x, prepared_w), prepare(w_f32))."""
+    impls: dict[str, Impl] = {
+        "fp32": (jax.jit(lambda x, w: x @ w), lambda w: w),
+        "bf16": (
+            jax.jit(lambda x, w: (x.astype(jnp.bfloat16) @ w).astype(jnp.float32)),
+            lambda w: w.astype(jnp.bfloat16),
+        ),
+        "int8 w-only": (
+            jax.jit(lambda x, q: qcore.dot_general(x, q, DOT)),
+            lambda w: qcore.quantize(w, W8),
+        ),
+        "int4 w-only": (
+            jax.jit(lambda x, q: qcore.dot_general(x, q, DOT)),
+            lambda w: qcore.quantize(w, W4),
+        ),
+        "w8a8": (
+            jax.jit(lambda x, q: qcore.dot_general(qcore.quantize(x, A8), q, DOT)),
+            lambda w: qcore.quantize(w, W8),
+        ),
+    }
+    if qwix is not None:
+        impls["qwix int8 w-only"] = (
+            jax.jit(lambda x, q: qwix.dot_general(x, q, DOT)),
+            lambda w: qwix.quantize(w, jnp.int8, channelwise_axes=[1]),
+        )
+        impls["qwix w8a8"] = (
+            jax.jit(
+                lambda x, q: qwix.dot_general(
+                    qwix.quantize(x, jnp.int8, channelwise_axes=[0]), q, DOT
+                )
+            ),
+            lambda w: qwix.quantize(w, jnp.int8, channelwise_axes=[1]),
+        )
+    return impls
+
+
+def conv_impls(qwix: Any) -> dict[str, Impl]:
+    """The conv configurations (int4 is left out: convolutions take int8 kernels)."""
+
+    def conv(x, k):
+        return jax.lax.conv_general_dilated(x, k, (1, 1), "SAME", dimension_numbers=CONV_DN)
+
+    def qconv(x, k):
+        return qcore.conv_general_dilated(x, k, (1, 1), "SAME", dimension_numbers=CONV_DN)
+
+    impls: dict[str, Impl] = {
+        "fp32": (jax.jit(conv), lambda k: k),
+        "bf16": (
+            jax.jit(lambda x, k: conv(x.astype(jnp.bfloat16), k).astype(jnp.float32)),
+            lambda k: k.astype(jnp.bfloat16),
+        ),
+        "int8 w-only": (jax.jit(qconv), lambda k: qcore.quantize(k, K8)),
+        "w8a8": (
+            jax.jit(lambda x, k: qconv(qcore.quantize(x, X8), k)),
+            lambda k: qcore.quantize(k, K8),
+        ),
+    }
+    if qwix is not None:
+
+        def qwix_conv(x, k):
+            return qwix.conv_general_dilated(x, k, (1, 1), "SAME", dimension_numbers=CONV_DN)
+
+        impls["qwix int8 w-only"] = (
+            jax.jit(qwix_conv),
+            lambda k: qwix.quantize(k, jnp.int8, channelwise_axes=[3]),
+        )
+        impls["qwix w8a8"] = (
+            jax.jit(lambda x, k: qwix_conv(qwix.quantize(x, jnp.int8, channelwise_axes=[0]), k)),
+            lambda k: qwix.quantize(k, jnp.int8, channelwise_axes=[3]),
+        )
+    return impls
+
+
+def time_impl(fn, x, ring, reps: int, warmup: int) -> list[float]:
+    """Milliseconds per call, one weight buffer of the ring per call."""
+    for i in range(warmup):
+        jax.block_until_ready(fn(x, ring[i % len(ring)]))
+    times = []
+    for i in range(reps):
+        w = ring[i % len(ring)]
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(x, w))
+        times.append((time.perf_counter() - t0) * 1e3)
+    return times
+
+
+def check(fn, x, w_prepared, reference: np.ndarray) -> float:
+    """Relative max error against the float64 product (guards against fast-but-wrong)."""
+    y = np.asarray(fn(x, w_prepared), np.float64)
+    return float(np.max(np.abs(y - reference)) / np.max(np.abs(reference)))
+
+
+def run_case(label, x, weights, impls, reps, warmup, reference_fn) -> list[dict[str, Any]]:
+    """Times every impl on one shape; returns result rows."""
+    rows = []
+    ref = reference_fn(np.asarray(x, np.float64), np.asarray(weights[0], np.float64))
+    for name, (fn, prepare) in impls.items():
+        ring = [prepare(w) for w in weights]
+        times = time_impl(fn, x, ring, reps, warmup)
+        rows.append(
+            {
+                "case": label,
+                "impl": name,
+                "median_ms": statistics.median(times),
+                "p10_ms": float(np.percentile(times, 10)),
+                "p90_ms": float(np.percentile(times, 90)),
+                "max_rel_error": check(fn, x, ring[0], ref),
+                "weight_bytes": int(sum(leaf.nbytes for leaf in jax.tree.leaves(ring[0]))),
+            }
+        )
+        print(f"  {label:28s} {name:18s} {rows[-1]['median_ms']:9.3f} ms", flush=True)
+        del ring
+    fp32 = next(r["median_ms"] for r in rows if r["impl"] == "fp32")
+    qwix_ms = {r["impl"].removeprefix("qwix "): r["median_ms"] for r in rows if "qwix" in r["impl"]}
+    for r in rows:
+        r["speedup_vs_fp32"] = fp32 / r["median_ms"]
+        q = qwix_ms.get(r["impl"])
+        r["speedup_vs_qwix"] = None if q is None or "qwix" in r["impl"] else q / r["median_ms"]
+    return rows
+
+
+def conv_reference(x: np.ndarray, k: np.ndarray) -> np.ndarray:
+    """Float64 SAME convolution (NHWC, HWIO) via numpy, as an independent check."""
+    kh, kw = k.shape[:2]
+    xp = np.pad(x, ((0, 0), (kh // 2, kh // 2), (kw // 2, kw // 2), (0, 0)))
+    out = np.zeros(x.shape[:3] + (k.shape[3],))
+    for i in range(kh):
+        for j in range(kw):
+            out += xp[:, i : i + x.shape[1], j : j + x.shape[2], :] @ k[i, j]
+    return out
+
+
+def machine() -> dict[str, Any]:
+    """What the numbers were measured on."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "python": platform.python_version(),
+        "jax": jax.__version__,
+        "qcore": qcore.__version__,
+        "GLIBC_TUNABLES": os.environ.get("GLIBC_TUNABLES", "(unset)"),
+        "XLA_FLAGS": os.environ.get("XLA_FLAGS", "(unset)"),
+    }
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    """Markdown table of the results."""
+    lines = [
+        "| case | config | median ms | vs fp32 | vs Qwix | max rel err | weight MiB |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in rows:
+        vs_q = "" if r["speedup_vs_qwix"] is None else f"{r['speedup_vs_qwix']:.1f}×"
+        lines.append(
+            f"| {r['case']} | {r['impl']} | {r['median_ms']:.3f} | {r['speedup_vs_fp32']:.2f}× "
+            f"| {vs_q} | {r['max_rel_error']:.1e} | {r['weight_bytes'] / 2**20:.1f} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Runs the benchmark; returns the exit code."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--reps", type=int, default=10, help="timed calls per config (>= 5)")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--ring", type=int, default=4, help="distinct weight buffers")
+    parser.add_argument("--quick", action="store_true", help="batch-1 matmul only, 5 reps")
+    parser.add_argument("--no-qwix", action="store_true", help="skip the Qwix comparison")
+    parser.add_argument("--out", type=Path, default=HERE / "results" / "ops.json")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.reps = 5
+    if args.reps < 5:
+        parser.error(f"--reps must be >= 5, got {args.reps}")
+    qwix = None
+    if not args.no_qwix:
+        try:
+            import qwix  # noqa: PLC0415 - optional comparison
+        except ImportError:
+            print("qwix not installed: comparison skipped (nox -s bench installs it)")
+    info = machine() | {"qwix": getattr(qwix, "__version__", None)}
+    info |= {"date": datetime.date.today().isoformat(), "reps": args.reps, "ring": args.ring}
+    print(json.dumps(info, indent=1))
+    rows: list[dict[str, Any]] = []
+    impls = matmul_impls(qwix)
+    shapes = MATMUL_SHAPES[:1] if args.quick else MATMUL_SHAPES
+    for m, k, n in shapes:
+        x = jax.random.normal(jax.random.key(m), (m, k))
+        weights = [jax.random.normal(jax.random.key(100 + i), (k, n)) for i in range(args.ring)]
+        rows += run_case(
+            f"matmul ({m},{k})x({k},{n})", x, weights, impls, args.reps, args.warmup, np.matmul
+        )
+        del weights
+    if not args.quick:
+        xs, ks = CONV_SHAPE
+        x = jax.random.normal(jax.random.key(7), xs)
+        kernels = [jax.random.normal(jax.random.key(200 + i), ks) for i in range(args.ring)]
+        label = f"conv {xs}*{ks[:3]}->{ks[3]}"
+        rows += run_case(
+            label, x, kernels, conv_impls(qwix), args.reps, args.warmup, conv_reference
+        )
+    print()
+    print(table(rows))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"machine": info, "rows": rows}, indent=1))
+    print(f"\nwrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
