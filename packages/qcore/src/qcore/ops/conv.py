@@ -15,13 +15,14 @@ dequantized to float32 and convolved with ``lax.conv_general_dilated``.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import partial
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from qcore.ops.operand import Operand, check_float_or_qarray, operand, promote
+from qcore.ops.operand import Operand, as_input, operand, promote
 from qcore.qarray import QArray
 
 Array = jax.Array
@@ -57,8 +58,8 @@ def conv_general_dilated(
         >>> y.shape
         (1, 8, 8, 4)
     """
-    check_float_or_qarray(lhs, "lhs")
-    check_float_or_qarray(rhs, "rhs")
+    lhs = as_input(lhs, "lhs")
+    rhs = as_input(rhs, "rhs")
     conv: dict[str, Any] = dict(
         window_strides=window_strides,
         padding=padding,
@@ -76,9 +77,25 @@ def conv_general_dilated(
             preferred_element_type=preferred_element_type,
             **conv,
         )
+    dn = lax.conv_dimension_numbers(tuple(lhs.shape), tuple(rhs.shape), dimension_numbers)
+    static = tuple(sorted((k, _hashable(v)) for k, v in conv.items()))
+    preferred = None if preferred_element_type is None else jnp.dtype(preferred_element_type)
+    return _conv(lhs, rhs, dn, static, precision, preferred)
+
+
+def _hashable(v: Any) -> Any:
+    if isinstance(v, str) or v is None or isinstance(v, int):
+        return v
+    return tuple(_hashable(e) for e in v)
+
+
+# One compiled computation per call, so eager results are bit-identical to jitted ones.
+@partial(jax.jit, static_argnums=(2, 3, 4, 5))
+def _conv(lhs, rhs, dn, static, precision, preferred_element_type) -> Array:
+    conv = dict(static)
+    batch_group_count = conv["batch_group_count"]
     a, b = operand(lhs), operand(rhs)
     out_dtype = jnp.dtype(preferred_element_type or promote(a.dtype, b.dtype))
-    dn = lax.conv_dimension_numbers(a.shape, b.shape, dimension_numbers)
     lhs_batch, rhs_out = dn.lhs_spec[0], dn.rhs_spec[0]
     scaled = (
         batch_group_count == 1

@@ -8,8 +8,8 @@ import jax
 import jax.numpy as jnp
 
 from qcore.ops.dot_general import dot_general
-from qcore.ops.operand import check_float_or_qarray, operand, promote
-from qcore.qarray import QArray
+from qcore.ops.operand import as_input, operand, promote
+from qcore.qarray import QArray, unpack
 
 Array = jax.Array
 
@@ -31,8 +31,8 @@ def dot(
         >>> qcore.dot(jnp.array([1.0, 2.0, 3.0]), w)
         Array([1., 2., 3.], dtype=float32)
     """
-    check_float_or_qarray(a, "a")
-    check_float_or_qarray(b, "b")
+    a = as_input(a, "a")
+    b = as_input(b, "b")
     if a.ndim == 0 or b.ndim == 0:
         x, y = operand(a), operand(b)
         out_dtype = jnp.dtype(preferred_element_type or promote(x.dtype, y.dtype))
@@ -65,11 +65,14 @@ def matmul(
         >>> qcore.matmul(jnp.ones((5, 2, 16)), w).shape
         (5, 2, 8)
     """
-    check_float_or_qarray(a, "a")
-    check_float_or_qarray(b, "b")
+    a = as_input(a, "a")
+    b = as_input(b, "b")
     if a.ndim == 0 or b.ndim == 0:
         raise ValueError(f"matmul needs operands of rank >= 1, got ranks {a.ndim} and {b.ndim}")
     squeeze = []
+    # Adding a unit axis to a packed vector would cut its packing: unpack it.
+    a = unpack(a) if isinstance(a, QArray) and a.ndim == 1 else a
+    b = unpack(b) if isinstance(b, QArray) and b.ndim == 1 else b
     if a.ndim == 1:
         a = a.reshape(1, a.shape[0])
         squeeze.append(-2)

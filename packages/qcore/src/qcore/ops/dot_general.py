@@ -26,13 +26,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from functools import partial
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from qcore.ops.operand import Operand, check_float_or_qarray, expand, operand, promote
+from qcore.ops.operand import Operand, as_input, expand, operand, promote
 from qcore.qarray import QArray
 
 Array = jax.Array
@@ -75,13 +76,20 @@ def dot_general(
         >>> float(jnp.max(jnp.abs(y - ref)) / jnp.max(jnp.abs(ref))) < 0.01
         True
     """
-    check_float_or_qarray(lhs, "lhs")
-    check_float_or_qarray(rhs, "rhs")
+    lhs = as_input(lhs, "lhs")
+    rhs = as_input(rhs, "rhs")
     if not isinstance(lhs, QArray) and not isinstance(rhs, QArray):
         return lax.dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type)
+    dims = _check_dims(tuple(lhs.shape), tuple(rhs.shape), dimension_numbers)
+    preferred = None if preferred_element_type is None else jnp.dtype(preferred_element_type)
+    return _dot_general(lhs, rhs, dims, precision, preferred)
+
+
+# One compiled computation per call, so eager results are bit-identical to jitted ones.
+@partial(jax.jit, static_argnums=(2, 3, 4))
+def _dot_general(lhs, rhs, dims, precision, preferred) -> Array:
     a, b = operand(lhs), operand(rhs)
-    out_dtype = jnp.dtype(preferred_element_type or promote(a.dtype, b.dtype))
-    dims = _check_dims(a.shape, b.shape, dimension_numbers)
+    out_dtype = preferred or promote(a.dtype, b.dtype)
     return scaled_dot_general(a, b, dims, precision).astype(out_dtype)
 
 

@@ -12,13 +12,14 @@ ellipsis dims that need broadcasting) fall back to dequantizing and calling
 from __future__ import annotations
 
 import string
+from functools import partial
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 from qcore.ops.dot_general import dot_general
-from qcore.ops.operand import check_float_or_qarray, operand, promote
+from qcore.ops.operand import as_input, operand, promote
 from qcore.qarray import QArray
 
 Array = jax.Array
@@ -93,12 +94,20 @@ def einsum(
         >>> qcore.einsum("btd,df->btf", x, w).shape
         (2, 3, 4)
     """
-    check_float_or_qarray(lhs, "lhs")
-    check_float_or_qarray(rhs, "rhs")
+    lhs = as_input(lhs, "lhs")
+    rhs = as_input(rhs, "rhs")
     if not isinstance(lhs, QArray) and not isinstance(rhs, QArray):
         return jnp.einsum(
             subscripts, lhs, rhs, precision=precision, preferred_element_type=preferred_element_type
         )
+    _parse(subscripts, (lhs.ndim, rhs.ndim))  # raises on bad subscripts before tracing
+    preferred = None if preferred_element_type is None else jnp.dtype(preferred_element_type)
+    return _einsum(subscripts, lhs, rhs, precision, preferred)
+
+
+# One compiled computation per call, so eager results are bit-identical to jitted ones.
+@partial(jax.jit, static_argnums=(0, 3, 4))
+def _einsum(subscripts, lhs, rhs, precision, preferred_element_type) -> Array:
     (la, lb), out = _parse(subscripts, (lhs.ndim, rhs.ndim))
     shape_a, shape_b = tuple(lhs.shape), tuple(rhs.shape)
     sizes: dict[str, int] = {}

@@ -59,8 +59,6 @@ class Operand:
 
     def as_float(self) -> Operand:
         """The same operand with float32 values (for the float path)."""
-        if not self.integer:
-            return self
         zp = None if self.zero_point is None else self.zero_point.astype(jnp.float32)
         return dataclasses.replace(
             self, values=self.values.astype(jnp.float32), zero_point=zp, integer=False
@@ -132,13 +130,16 @@ def expand(a: Array, shape: tuple[int, ...]) -> Array:
     return a
 
 
-def check_float_or_qarray(x: object, name: str) -> None:
-    """Raises a clear error for an argument that is neither an array nor a QArray."""
+def as_input(x: object, name: str) -> Array | QArray:
+    """An op argument as a QArray or a JAX array; raises a clear error otherwise."""
     if isinstance(x, QArray):
-        return
-    dtype = getattr(x, "dtype", None)
-    if dtype is None:
-        x = np.asarray(x)
-        dtype = x.dtype
-    if not (jnp.issubdtype(dtype, jnp.floating) or jnp.issubdtype(dtype, jnp.integer)):
-        raise ValueError(f"{name} must be an array or a QArray, got dtype {dtype}")
+        return x
+    try:
+        arr = jnp.asarray(x)
+    except TypeError:
+        raise ValueError(
+            f"{name} must be an array or a QArray, got {type(x).__name__} {x!r:.80}"
+        ) from None
+    if not (jnp.issubdtype(arr.dtype, jnp.floating) or jnp.issubdtype(arr.dtype, jnp.integer)):
+        raise ValueError(f"{name} must be an array or a QArray, got dtype {arr.dtype}")
+    return arr

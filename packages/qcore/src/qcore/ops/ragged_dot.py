@@ -10,6 +10,7 @@ integer QArrays) and zero points are corrected on the result.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import jax
@@ -17,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from qcore.ops.operand import Operand, check_float_or_qarray, expand, operand, promote
+from qcore.ops.operand import Operand, as_input, expand, operand, promote
 from qcore.qarray import QArray
 
 Array = jax.Array
@@ -50,8 +51,8 @@ def ragged_dot(
         >>> qcore.ragged_dot(x, experts, jnp.array([2, 4])).shape
         (6, 4)
     """
-    check_float_or_qarray(lhs, "lhs")
-    check_float_or_qarray(rhs, "rhs")
+    lhs = as_input(lhs, "lhs")
+    rhs = as_input(rhs, "rhs")
     if lhs.ndim != 2 or rhs.ndim != 3 or lhs.shape[1] != rhs.shape[1]:
         raise ValueError(
             f"ragged_dot needs lhs (m, k) and rhs (groups, k, n); got shapes "
@@ -75,8 +76,15 @@ def ragged_dot(
     group_sizes = group_sizes.astype(jnp.int32)
     if not isinstance(lhs, QArray) and not isinstance(rhs, QArray):
         return lax.ragged_dot(lhs, rhs, group_sizes, precision, preferred_element_type)
+    preferred = None if preferred_element_type is None else jnp.dtype(preferred_element_type)
+    return _ragged_dot(lhs, rhs, group_sizes, precision, preferred)
+
+
+# One compiled computation per call, so eager results are bit-identical to jitted ones.
+@partial(jax.jit, static_argnums=(3, 4))
+def _ragged_dot(lhs, rhs, group_sizes, precision, preferred_element_type) -> Array:
     a, b = operand(lhs), operand(rhs)
-    out_dtype = jnp.dtype(preferred_element_type or promote(a.dtype, b.dtype))
+    out_dtype = preferred_element_type or promote(a.dtype, b.dtype)
     return _scaled_ragged_dot(a, b, group_sizes, precision).astype(out_dtype)
 
 
