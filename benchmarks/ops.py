@@ -11,6 +11,7 @@ Configurations (weights quantized ahead of time, activations at call time):
 
 * ``fp32`` / ``bf16``: ``x @ w`` (``lax.conv_general_dilated``) in that dtype.
 * ``int8 w-only``: int8 weights, one scale per output channel, float activations.
+  ``(N,K)`` rows store the same weights output-features first, the faster layout here.
 * ``int4 w-only``: int4 weights packed two per byte, one scale per output channel.
 * ``w8a8``: int8 weights and int8 activations quantized per row at call time.
 * ``qwix int8 w-only`` / ``qwix w8a8``: the same with Qwix 0.1.8's ``dot_general``
@@ -47,6 +48,11 @@ CONV_SHAPE = ((8, 56, 56, 64), (3, 3, 64, 64))
 
 W8 = qcore.HowToQuantize(qtype="int8", channelwise_axes=(1,))
 W4 = qcore.HowToQuantize(qtype="int4", channelwise_axes=(1,), pack=True, pack_axis=0)
+# The same weights stored (N, K), output features first (torch's layout): XLA:CPU's GEMM
+# packs its right-hand operand on every call, so the kernels put the weight on the left.
+W8_NK = qcore.HowToQuantize(qtype="int8", channelwise_axes=(0,))
+W4_NK = qcore.HowToQuantize(qtype="int4", channelwise_axes=(0,), pack=True, pack_axis=1)
+DOT_NK = (((1,), (1,)), ((), ()))
 A8 = qcore.HowToQuantize(qtype="int8", channelwise_axes=(0,))
 K8 = qcore.HowToQuantize(qtype="int8", channelwise_axes=(3,))
 X8 = qcore.HowToQuantize(qtype="int8", channelwise_axes=(0,))
@@ -73,6 +79,18 @@ def matmul_impls(qwix: Any) -> dict[str, Impl]:
         "w8a8": (
             jax.jit(lambda x, q: qcore.dot_general(qcore.quantize(x, A8), q, DOT)),
             lambda w: qcore.quantize(w, W8),
+        ),
+        "int8 w-only (N,K)": (
+            jax.jit(lambda x, q: qcore.dot_general(x, q, DOT_NK)),
+            lambda w: qcore.quantize(w.T, W8_NK),
+        ),
+        "int4 w-only (N,K)": (
+            jax.jit(lambda x, q: qcore.dot_general(x, q, DOT_NK)),
+            lambda w: qcore.quantize(w.T, W4_NK),
+        ),
+        "w8a8 (N,K)": (
+            jax.jit(lambda x, q: qcore.dot_general(qcore.quantize(x, A8), q, DOT_NK)),
+            lambda w: qcore.quantize(w.T, W8_NK),
         ),
     }
     if qwix is not None:
@@ -171,7 +189,7 @@ def run_case(label, x, weights, impls, reps, warmup, reference_fn) -> list[dict[
     qwix_ms = {r["impl"].removeprefix("qwix "): r["median_ms"] for r in rows if "qwix" in r["impl"]}
     for r in rows:
         r["speedup_vs_fp32"] = fp32 / r["median_ms"]
-        q = qwix_ms.get(r["impl"])
+        q = qwix_ms.get(r["impl"].removesuffix(" (N,K)"))
         r["speedup_vs_qwix"] = None if q is None or "qwix" in r["impl"] else q / r["median_ms"]
     return rows
 

@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from qcore.ops import kernels
 from qcore.ops.operand import Operand, as_input, expand, operand, promote
 from qcore.qarray import QArray
 
@@ -90,7 +91,10 @@ def dot_general(
 def _dot_general(lhs, rhs, dims, precision, preferred) -> Array:
     a, b = operand(lhs), operand(rhs)
     out_dtype = preferred or promote(a.dtype, b.dtype)
-    return scaled_dot_general(a, b, dims, precision).astype(out_dtype)
+    y = kernels.fast_dot_general(lhs, rhs, dims, precision)
+    if y is None:
+        y = scaled_dot_general(a, b, dims, precision)
+    return y.astype(out_dtype)
 
 
 def _axes(axes: Sequence[int], ndim: int, name: str) -> tuple[int, ...]:

@@ -1,0 +1,409 @@
+"""Fast quantized matmul kernels for XLA:CPU (jax 0.10.x), in pure jax.numpy / lax.
+
+:func:`qcore.dot_general` routes 2-D weight matmuls here (see :func:`fast_dot_general`);
+everything else takes the general path of :mod:`qcore.ops.dot_general`. Measured on a
+2-core AMD EPYC (Zen 5, AVX-512 + VNNI + BF16) with 4096x4096 weights; the numbers are in
+``benchmarks/README.md``.
+
+What matters on this backend (found by reading the compiled HLO):
+
+* A dot whose *both* free dimensions are >= 2 is handed to YNNPACK (``__ynn_fusion``) for f32,
+  bf16 and int8xint8->int32. YNNPACK packs its **right-hand** operand on every call, which
+  costs about as much as reading a 4096x4096 weight several times. So the weight must be the
+  *left* operand with its contraction axis minor, i.e. stored **(N, K)** ("nk", out-features
+  first, like torch ``nn.Linear.weight``): ``dot_general(w_nk, x, contract K of both) -> (N, M)``.
+  Then YNNPACK packs only the small activation. With the canonical (K, N) layout every call
+  re-packs the weight and is 2-5x slower at M = 8..64.
+* A dot with a free dimension of 1 (M = 1) is NOT given to YNNPACK: it goes to a
+  single-threaded legacy GEMV that first *upcasts* int8/bf16 operands to s32/f32 in a full-size
+  temporary (64 MiB -> ~2 us per 4 KiB page of fresh memory: 20-30 ms). Never do M = 1 dots
+  on non-f32 operands; make the free dimension >= 2 instead (see the digit trick below).
+* Converts are not fused into YNNPACK dots; a whole-matrix convert to f32 is a 64 MiB temporary
+  (page-fault bound). Blocking (``lax.scan`` over row blocks of the weight) keeps each converted
+  block small (<= 8 MiB) and cache-resident.
+
+The key trick for weight-only int8/int4 at small M ("int8 digits"): an f32 activation row is
+split exactly-enough into ``nd`` signed base-256 int8 digits with one f32 scale per row,
+``x ~= s * sum_d digit_d * 256**(nd-1-d)`` (nd=3 -> 23-bit fixed point relative to max|x_row|,
+error <= 6e-8 * max|x_row|). The weight codes stay int8 and the product is one int8xint8->int32
+YNNPACK GEMM with ``nd*M`` right-hand columns (exact integer arithmetic), combined in f32.
+It reads only the 1-byte weights and uses VNNI, so at M = 1 it is ~2.5x faster than the f32
+GEMV and *more* accurate than it (max rel err ~2e-7 vs ~2e-6). Its cost grows with nd*M, so
+for M >~ 16 a blocked float (bf16 or f32) YNNPACK dot is used instead.
+
+All functions are jittable; every shape-dependent choice is static (Python ints).
+Weights: "nk" layout = (N, K) codes (recommended); "kn" = (K, N) codes (fallback paths).
+Scales: per output column, shape (1, N); int4 sub-channel scales (K // group, N).
+"""
+
+import jax.numpy as jnp
+from jax import lax
+
+f32, bf16, i8, i32 = jnp.float32, jnp.bfloat16, jnp.int8, jnp.int32
+
+# contract the last axis of both operands: (n, k) . (m, k) -> (n, m)
+_DN_LAST = (((1,), (1,)), ((), ()))
+
+
+# ----------------------------------------------------------------------------------------------
+# helpers
+# ----------------------------------------------------------------------------------------------
+def _x_digits(x, nd):
+    """(M, K) f32 -> ((nd*M, K) int8 digits, most significant first, (M, 1) f32 scale).
+
+    Balanced base-256 digits of round(x / s), s = max|x_row| / (127 * 256**(nd-1)).
+    Non-finite rows give NaN outputs (the scale becomes inf/nan).
+    """
+    top = 127 * 256 ** (nd - 1)
+    amax = jnp.max(jnp.abs(x), axis=1, keepdims=True)
+    scale = jnp.where(amax > 0, amax / top, jnp.ones_like(amax)).astype(f32)
+    v = jnp.round(x / scale).astype(i32)
+    digits = []
+    for _ in range(nd - 1):
+        d = ((v + 128) & 255) - 128  # in [-128, 127]
+        digits.append(d)
+        v = (v - d) >> 8  # exact division by 256
+    digits.append(jnp.clip(v, -127, 127))
+    return jnp.concatenate([d.astype(i8) for d in digits[::-1]], axis=0), scale
+
+
+def _combine_digits(acc_nc, m, nd):
+    """(N, nd*M) per-digit results (int32 or f32) -> (M, N) f32, Horner in f32."""
+    a = acc_nc.astype(f32).reshape(acc_nc.shape[0], nd, m)
+    y = a[:, 0]
+    for d in range(1, nd):
+        y = y * 256.0 + a[:, d]
+    return y.T
+
+
+def _pick_block(total, target):
+    """Largest power-of-two divisor of `total` that is <= target (static Python ints)."""
+    b = 1
+    while b * 2 <= target and total % (b * 2) == 0:
+        b *= 2
+    return b
+
+
+def _scan_rows(fn, blocks):
+    """lax.scan over the leading axis of `blocks` (a pytree) collecting fn(block) outputs."""
+    _, ys = lax.scan(lambda c, b: (c, fn(b)), 0, blocks)
+    return ys
+
+
+# ----------------------------------------------------------------------------------------------
+# A. weight-only int8
+# ----------------------------------------------------------------------------------------------
+def int8_weight_only(
+    x, w_codes, w_scale, *, layout="nk", precision="highest", digits=None, block=None
+):
+    """Y = x @ (codes * scale), x (M, K) f32, scale (1, N) -> (M, N) f32.
+
+    layout="nk": w_codes (N, K) int8 (recommended).  layout="kn": w_codes (K, N) int8.
+    precision: "highest" (f32-level error, <= ~6e-7 measured): nd = 3 digits / f32 blocks;
+      "high" (~4e-5): nd = 2 digits for M <= 16 (~25 % faster), f32 blocks for M > 16;
+      "bf16" (~2e-3): nd = 2 digits for M <= 16 (faster AND more accurate than bf16 there),
+      bf16 blocks for M > 16 (~1.7x faster than f32 at M = 64).
+    Heuristic (nk): M <= 16 -> int8-digit GEMM (nd as above, or `digits`), unblocked;
+                    M > 16  -> scan over N blocks of `block` rows (default 512, i.e. an
+                               f32 block of 512*K*4 = 8 MiB / bf16 4 MiB), YNNPACK float dot.
+    Heuristic (kn): M = 1 -> single loop fusion over 16-row groups + tiny GEMV (see below);
+                    M > 1 -> scan over K blocks of `block` rows (default block_k = 256: one
+                    converted f32 block 256*N*4 = 4 MiB) with a YNNPACK dot inside.
+    """
+    m, k = x.shape
+    if layout == "nk":
+        n = w_codes.shape[0]
+        if m <= 16 or digits is not None:
+            nd = digits or (3 if precision == "highest" else 2)
+            xd, xs = _x_digits(x.astype(f32), nd)
+            acc = lax.dot_general(w_codes, xd, _DN_LAST, preferred_element_type=i32)  # (N, nd*M)
+            return _combine_digits(acc, m, nd) * xs * w_scale
+        cdt = bf16 if precision == "bf16" else f32
+        bn = block or _pick_block(n, 512)
+        xc = x.astype(cdt)
+        ys = _scan_rows(
+            lambda w: lax.dot_general(w.astype(cdt), xc, _DN_LAST, preferred_element_type=f32),
+            w_codes.reshape(n // bn, bn, k),
+        )  # (nb, bn, M)
+        return ys.reshape(n, m).T * w_scale
+    # ---- (K, N) fallback
+    n = w_codes.shape[1]
+    if m == 1 and block is None:
+        # one multi-threaded loop fusion: P = K/16 partial rows, each the python-unrolled sum of
+        # 16 (x[k] * float(w[k, :])) terms over static strided slices (vectorised along N), then a
+        # tiny f32 GEMV sums the P rows. Writes no weight-size temporary. (jnp.sum over the
+        # major axis instead would hit XLA:CPU's pathological column-walk reduce: seconds.)
+        bk = 16
+        p_rows = k // bk
+        w3 = w_codes.reshape(p_rows, bk, n)
+        x3 = x.astype(f32).reshape(p_rows, bk)
+        out1 = x3[:, 0, None] * w3[:, 0].astype(f32)
+        for j in range(1, bk):
+            out1 = out1 + x3[:, j, None] * w3[:, j].astype(f32)
+        return (jnp.ones((1, p_rows), f32) @ out1) * w_scale
+    # scan over K blocks, accumulate in f32
+    cdt = bf16 if (precision == "bf16" and m > 1) else f32  # M=1 dots must stay f32 (see top)
+    bk = block or _pick_block(k, 512 if m == 1 else 256)
+    nb = k // bk
+    xb = x.reshape(m, nb, bk).transpose(1, 0, 2).astype(cdt)
+
+    def body(acc, xw):
+        xi, wi = xw
+        return acc + lax.dot(xi, wi.astype(cdt), preferred_element_type=f32), None
+
+    acc, _ = lax.scan(body, jnp.zeros((m, n), f32), (xb, w_codes.reshape(nb, bk, n)))
+    return acc * w_scale  # scale applied on the output only
+
+
+# ----------------------------------------------------------------------------------------------
+# B. weight-only int4, packed two per byte along K
+# ----------------------------------------------------------------------------------------------
+def _unpack_nk(p):
+    """(rows, K/2) uint8 -> (lo, hi) int8 sign-extended nibbles (codes 2i and 2i+1).
+
+    Arithmetic shifts on the int8 view: lo = (q << 4) >> 4, hi = q >> 4 (== ((v ^ 8) - 8)).
+    """
+    q = lax.bitcast_convert_type(p, i8)
+    return (q << 4) >> 4, q >> 4
+
+
+def int4_packed_weight_only(
+    x, w_packed, w_scale, *, group_size=None, layout="nk", precision="highest", block=None
+):
+    """Y = x @ (codes * scale) with int4 codes packed along K.
+
+    layout="nk" (recommended): w_packed (N, K/2) uint8, byte i of row n holds codes
+      (k=2i low nibble, k=2i+1 high nibble).  layout="kn": w_packed (K/2, N), byte row i holds
+      K rows 2i (low) and 2i+1 (high) -- the qcore/brief layout.
+    w_scale: (1, N) per column, or (K // group_size, N) sub-channel (group_size e.g. 128).
+    Heuristic (nk): scan over N blocks of `block` rows (default 512: 512 x K/2 packed bytes
+      = 1 MiB in, 2 MiB of unpacked int8 -> stays in L2/L3), unpack by shifts in the block,
+      and never interleave the nibbles (XLA's interleave codegen is ~5x slower than the rest):
+      x is de-interleaved instead (x_even pairs with low nibbles, x_odd with high ones).
+      M <= 16: int8-digit GEMMs (nd = 3 for "highest", 2 for "high"/"bf16"; exact integer
+      arithmetic, two dots per block); M > 16: float (f32, or bf16 for precision="bf16")
+      YNNPACK dots on converted nibbles.
+      Sub-channel: blocks of 256 rows; per block the nibbles are converted to f32 and multiplied
+      by their group scale inside the unpack fusion, then float dots (f32; bf16 only for
+      M > 16 with precision="bf16"). M = 1 is padded to 2 activation rows (YNNPACK needs >= 2).
+      For sub-channel scales at M = 1 the (K/2, N) "kn" loop-fusion path is faster (1.75x vs
+      1.25x f32): the digit trick cannot absorb per-group float scales cheaply.
+    """
+    m, k = x.shape
+    x = x.astype(f32)
+    if layout == "kn":
+        if m == 1:
+            return _int4_kn_m1(x, w_packed, w_scale, group_size, block or 8)
+        return _int4_kn(x, w_packed, w_scale, group_size, precision, block)
+    n = w_packed.shape[0]
+    grouped = group_size is not None and w_scale.shape[0] > 1
+    # block rows: 512 per-column (1 MiB packed in), 256 with group scales (f32 unpack is 4x wider)
+    bn = block or _pick_block(n, 256 if grouped else 512)
+    pb = w_packed.reshape(n // bn, bn, k // 2)
+    if not grouped and m <= 16:
+        nd = 3 if precision == "highest" else 2  # see int8_weight_only
+        xd, xs = _x_digits(x, nd)
+        xe, xo = xd[:, 0::2], xd[:, 1::2]
+
+        def int_blk(p):
+            lo, hi = _unpack_nk(p)
+            return lax.dot_general(lo, xe, _DN_LAST, preferred_element_type=i32) + lax.dot_general(
+                hi, xo, _DN_LAST, preferred_element_type=i32
+            )
+
+        acc = _scan_rows(int_blk, pb).reshape(n, nd * m)
+        return _combine_digits(acc, m, nd) * xs * w_scale
+    # bf16 only pays off for M > 16 (at small M the bf16 YNNPACK kernels are slower than f32)
+    cdt = bf16 if (precision == "bf16" and m > 16) else f32
+    xe, xo = x[:, 0::2].astype(cdt), x[:, 1::2].astype(cdt)
+    if not grouped:
+
+        def float_blk(p):
+            lo, hi = _unpack_nk(p)
+            return lax.dot_general(
+                lo.astype(cdt), xe, _DN_LAST, preferred_element_type=f32
+            ) + lax.dot_general(hi.astype(cdt), xo, _DN_LAST, preferred_element_type=f32)
+
+        ys = _scan_rows(float_blk, pb)
+        return ys.reshape(n, m).T * w_scale
+    g = w_scale.shape[0]
+    gs = k // g
+    if m == 1:  # a 1-wide float dot is the single-threaded legacy GEMV: pad to 2 columns
+        xe = jnp.concatenate([xe, jnp.zeros_like(xe)], 0)
+        xo = jnp.concatenate([xo, jnp.zeros_like(xo)], 0)
+    sb = w_scale.reshape(g, n // bn, bn).transpose(1, 2, 0)  # (nb, bn, G), tiny
+
+    def blk(ps):
+        p, s = ps
+        lo, hi = _unpack_nk(p)  # (bn, K/2) each
+        s_half = jnp.repeat(s, gs // 2, axis=1)  # (bn, K/2) scale per code
+        wl = (lo.astype(f32) * s_half).astype(cdt)
+        wh = (hi.astype(f32) * s_half).astype(cdt)
+        return lax.dot_general(wl, xe, _DN_LAST, preferred_element_type=f32) + lax.dot_general(
+            wh, xo, _DN_LAST, preferred_element_type=f32
+        )
+
+    ys = _scan_rows(blk, (pb, sb))
+    return ys.reshape(n, -1)[:, :m].T
+
+
+def _int4_kn_m1(x, w_packed, w_scale, group_size, bk):
+    """(K/2, N) packed int4 at M = 1, as one multi-threaded loop fusion.
+
+    It computes P = K/(2*bk) partial rows
+    out1[p, n] = sum_{j<bk} x[2(p*bk+j)] * lo[p*bk+j, n] + x[2(p*bk+j)+1] * hi[p*bk+j, n]
+    (python-unrolled FMAs over static strided slices, vectorised along N), group scales are
+    applied to these partials, and a tiny f32 GEMV (ones @ out1) sums the P rows. No weight-size
+    temporary is ever written. (A reduce over the major axis would be pathologically slow in
+    XLA:CPU; the unrolled form is not.)
+    """
+    k = x.shape[1]
+    n = w_packed.shape[1]
+    p_rows = k // (2 * bk)
+    q = lax.bitcast_convert_type(w_packed, i8).reshape(p_rows, bk, n)
+    x3 = x.reshape(p_rows, bk, 2)
+    out1 = jnp.zeros((p_rows, n), f32)
+    for j in range(bk):
+        qj = q[:, j]
+        lo, hi = ((qj << 4) >> 4).astype(f32), (qj >> 4).astype(f32)
+        out1 = out1 + x3[:, j, 0, None] * lo + x3[:, j, 1, None] * hi
+    grouped = group_size is not None and w_scale.shape[0] > 1
+    if grouped:
+        out1 = out1 * jnp.repeat(w_scale, p_rows // w_scale.shape[0], axis=0)
+    y = jnp.ones((1, p_rows), f32) @ out1
+    return y if grouped else y * w_scale
+
+
+def _int4_kn(x, w_packed, w_scale, group_size, precision, block):
+    """(K/2, N) packed int4 fallback: a scan over K blocks.
+
+    Per block it unpacks the two nibble rows and contracts them with the even / odd
+    activation columns (no interleave).
+    """
+    m, k = x.shape
+    n = w_packed.shape[1]
+    grouped = group_size is not None and w_scale.shape[0] > 1
+    cdt = bf16 if (precision == "bf16" and m > 1) else f32
+    hb = (block or _pick_block(k, 512 if m == 1 else 256)) // 2  # packed rows per block
+    if grouped:
+        hb = min(hb, (k // w_scale.shape[0]) // 2)  # one scale row per block
+    nb = (k // 2) // hb
+    xe = x[:, 0::2].reshape(m, nb, hb).transpose(1, 0, 2).astype(cdt)
+    xo = x[:, 1::2].reshape(m, nb, hb).transpose(1, 0, 2).astype(cdt)
+    q = lax.bitcast_convert_type(w_packed, i8).reshape(nb, hb, n)
+    if grouped:
+        per = (k // w_scale.shape[0]) // (2 * hb)  # blocks per group
+        sc = jnp.repeat(w_scale, per, axis=0)[:, None, :]  # (nb, 1, N)
+    else:
+        sc = jnp.ones((nb, 1, n), f32)
+
+    def body(acc, a):
+        xei, xoi, qi, si = a
+        lo = (((qi << 4) >> 4).astype(f32) * si).astype(cdt)
+        hi = ((qi >> 4).astype(f32) * si).astype(cdt)
+        return acc + lax.dot(xei, lo, preferred_element_type=f32) + lax.dot(
+            xoi, hi, preferred_element_type=f32
+        ), None
+
+    acc, _ = lax.scan(body, jnp.zeros((m, n), f32), (xe, xo, q, sc))
+    return acc if grouped else acc * w_scale
+
+
+# ----------------------------------------------------------------------------------------------
+# C. w8a8: int8 activations (per-row scale) x int8 weights (per-column scale)
+# ----------------------------------------------------------------------------------------------
+def w8a8(x_codes, x_scale, w_codes, w_scale, *, layout="nk", block=None):
+    """Y = (x_codes * x_scale) @ (w_codes * w_scale), exact int32 (or exact-in-f32) accumulation.
+
+    layout="nk" (recommended): w_codes (N, K); one int8 x int8 -> int32 YNNPACK GEMM with the
+      weight as left operand (no per-call weight packing). M = 1 is padded to 2 rows, because
+      a 1-wide dot falls back to the legacy GEMV that upcasts the whole weight to s32.
+    layout="kn": w_codes (K, N); the int8 dot would re-pack the weight every call, so instead
+      scan over K blocks (block_k 512) converting int8 -> bf16 (exact: |code| <= 127 fits
+      bf16's 8-bit significand; products exact in f32, block sums < 2^24 exact), bf16 YNNPACK
+      dot with f32 accumulation. M = 1: same with f32 (1-wide bf16 dots are upcast).
+    """
+    m, k = x_codes.shape
+    if layout == "nk":
+        xp = jnp.concatenate([x_codes, jnp.zeros((1, k), x_codes.dtype)], 0) if m == 1 else x_codes
+        acc = lax.dot_general(w_codes, xp, _DN_LAST, preferred_element_type=i32)  # (N, M')
+        return acc[:, :m].T.astype(f32) * x_scale * w_scale
+    n = w_codes.shape[1]
+    cdt = f32 if m == 1 else bf16
+    bk = block or _pick_block(k, 512)
+    nb = k // bk
+    xb = x_codes.reshape(m, nb, bk).transpose(1, 0, 2).astype(cdt)
+
+    def body(acc, xw):
+        xi, wi = xw
+        return acc + lax.dot(xi, wi.astype(cdt), preferred_element_type=f32), None
+
+    acc, _ = lax.scan(body, jnp.zeros((m, n), f32), (xb, w_codes.reshape(nb, bk, n)))
+    return acc * x_scale * w_scale
+
+
+# ----------------------------------------------------------------------------------------------
+# dispatch from qcore.dot_general
+# ----------------------------------------------------------------------------------------------
+def _signed_int8_codes(q) -> bool:
+    qt = q.qtype
+    return qt.kind == "int" and qt.signed and qt.bits <= 8 and q.packing is None
+
+
+def fast_dot_general(lhs, rhs, dims, precision):
+    """The kernel result for ``dot_general(lhs, rhs, dims)``, or None if no kernel applies.
+
+    Applies when ``rhs`` is a 2-D symmetric signed-integer QArray (int2..int8 codes, or
+    int4 packed along K) with one scale per output column (int4 packed: or per tile of K),
+    ``lhs`` contracts its last axis with no batch axes, and ``lhs`` is a float array
+    (weight-only) or a symmetric int8-coded QArray with one scale per row (w8a8). The
+    weight may be stored (K, N) ("kn") or (N, K) ("nk", faster: see the module docstring).
+    """
+    from qcore.qarray import QArray  # local: kernels is imported by qarray users
+
+    (lc, rc), (lb, rb) = dims
+    if not isinstance(rhs, QArray) or rhs.ndim != 2 or lb or rb or len(lc) != 1:
+        return None
+    if lc[0] != lhs.ndim - 1 or rhs.zero_point is not None or rhs.tensor_scale is not None:
+        return None
+    layout = "kn" if rc[0] == 0 else "nk"
+    k_axis, n_axis = (0, 1) if layout == "kn" else (1, 0)
+    k, n = rhs.shape[k_axis], rhs.shape[n_axis]
+    s = rhs.scale
+    groups = s.shape[k_axis]
+    if s.shape[n_axis] != n:
+        return None
+    scale = (s if layout == "kn" else s.T).astype(f32)  # (groups, N)
+    packing = rhs.packing
+    packed4 = packing is not None and rhs.qtype.name == "int4"
+    if packing is not None:
+        if not packed4 or packing.axis % 2 != k_axis or k % 2:
+            return None
+    elif not _signed_int8_codes(rhs) or groups != 1:
+        return None
+    lead = lhs.shape[:-1]
+    m = 1
+    for d in lead:
+        m *= d
+    prec = "highest" if precision in (None, "highest", lax.Precision.HIGHEST) else "high"
+    if isinstance(lhs, QArray):
+        if packed4 or not _signed_int8_codes(lhs) or lhs.zero_point is not None:
+            return None
+        if lhs.tensor_scale is not None or lhs.scale.shape[-1] != 1:
+            return None
+        x_scale = jnp.broadcast_to(lhs.scale.astype(f32), lhs.shape[:-1] + (1,)).reshape(m, 1)
+        x_codes = lhs.qvalue.reshape(m, k)
+        y = w8a8(x_codes, x_scale, rhs.qvalue, scale, layout=layout)
+    elif packed4:
+        group_size = k // groups if groups > 1 else None
+        y = int4_packed_weight_only(
+            lhs.reshape(m, k),
+            rhs.qvalue,
+            scale,
+            group_size=group_size,
+            layout=layout,
+            precision=prec,
+        )
+    else:
+        y = int8_weight_only(lhs.reshape(m, k), rhs.qvalue, scale, layout=layout, precision=prec)
+    return y.reshape(*lead, n)

@@ -1,0 +1,99 @@
+"""The CPU matmul kernels behind qcore.dot_general: taken when they apply, and exact."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import qcore
+from qcore.ops import kernels
+
+K, N = 512, 256
+W = jax.random.normal(jax.random.key(0), (K, N))
+
+# name -> (HowToQuantize kwargs, layout); "kn" stores (K, N), "nk" stores (N, K).
+WEIGHTS = {
+    "int8 kn": (dict(qtype="int8", channelwise_axes=(1,)), "kn"),
+    "int8 nk": (dict(qtype="int8", channelwise_axes=(0,)), "nk"),
+    "int3 kn": (dict(qtype="int3", channelwise_axes=(1,)), "kn"),
+    "int4 packed kn": (dict(qtype="int4", channelwise_axes=(1,), pack=True, pack_axis=0), "kn"),
+    "int4 packed nk": (dict(qtype="int4", channelwise_axes=(0,), pack=True, pack_axis=1), "nk"),
+    "int4 packed kn tile 128": (
+        dict(qtype="int4", channelwise_axes=(1,), tiled_axes={0: 128}, pack=True, pack_axis=0),
+        "kn",
+    ),
+    "int4 packed nk tile 128": (
+        dict(qtype="int4", channelwise_axes=(0,), tiled_axes={1: 128}, pack=True, pack_axis=1),
+        "nk",
+    ),
+}
+
+
+def _weight(name):
+    how, layout = WEIGHTS[name]
+    q = qcore.quantize(W if layout == "kn" else W.T, qcore.HowToQuantize(**how))
+    w64 = np.asarray(qcore.dequantize(q), np.float64)
+    return q, (w64 if layout == "kn" else w64.T), (0 if layout == "kn" else 1)
+
+
+@pytest.mark.parametrize("m", [1, 5, 16, 40])
+@pytest.mark.parametrize("name", list(WEIGHTS))
+def test_weight_only_kernels_match_the_float64_product(name, m):
+    q, w64, k_axis = _weight(name)
+    x = jax.random.normal(jax.random.key(m), (m, K))
+    dims = (((1,), (k_axis,)), ((), ()))
+    assert kernels.fast_dot_general(x, q, dims, None) is not None
+    y = qcore.dot_general(x, q, dims)
+    ref = np.asarray(x, np.float64) @ w64
+    # The int8-digit trick carries ~23 bits of each activation row: f32-level error.
+    assert float(np.max(np.abs(y - ref)) / np.max(np.abs(ref))) < 1e-6
+
+
+@pytest.mark.parametrize("m", [1, 7, 64])
+@pytest.mark.parametrize("name", ["int8 kn", "int8 nk", "int3 kn"])
+def test_w8a8_kernel_matches_the_float64_product(name, m):
+    q, w64, k_axis = _weight(name)
+    x = jax.random.normal(jax.random.key(m), (2, m, K))
+    xq = qcore.quantize(x, qcore.HowToQuantize(qtype="int8", channelwise_axes=(0, 1)))
+    dims = (((2,), (k_axis,)), ((), ()))
+    assert kernels.fast_dot_general(xq, q, dims, None) is not None
+    y = qcore.dot_general(xq, q, dims)
+    assert y.shape == (2, m, N)
+    ref = np.asarray(qcore.dequantize(xq), np.float64) @ w64
+    assert float(np.max(np.abs(y - ref)) / np.max(np.abs(ref))) < 1e-6
+
+
+def test_layouts_the_kernels_do_not_take_use_the_general_path():
+    x = jax.random.normal(jax.random.key(1), (4, K))
+    dims = (((1,), (0,)), ((), ()))
+    cases = [
+        qcore.quantize(
+            W, qcore.HowToQuantize(qtype="uint8", symmetric=False, channelwise_axes=(1,))
+        ),
+        qcore.quantize(
+            W, qcore.HowToQuantize(qtype="int8", channelwise_axes=(1,), tiled_axes={0: 64})
+        ),
+        qcore.quantize(W, qcore.HowToQuantize(qtype="nf4", channelwise_axes=(1,))),
+        qcore.quantize(W, qcore.HowToQuantize(qtype="int4", channelwise_axes=(1,), pack=True)),
+    ]
+    for q in cases:
+        assert kernels.fast_dot_general(x, q, dims, None) is None
+        ref = np.asarray(x, np.float64) @ np.asarray(qcore.dequantize(q), np.float64)
+        y = qcore.dot_general(x, q, dims)
+        assert float(np.max(np.abs(y - ref)) / np.max(np.abs(ref))) < 1e-5
+    # Batch dims and an asymmetric activation also go the general way.
+    q = qcore.quantize(W, qcore.HowToQuantize(qtype="int8", channelwise_axes=(1,)))
+    xa = qcore.quantize(
+        x, qcore.HowToQuantize(qtype="uint8", symmetric=False, calibration="minmax")
+    )
+    assert kernels.fast_dot_general(xa, q, dims, None) is None
+
+
+def test_kernel_path_keeps_dtype_rules_and_jit_equality():
+    q, _, _ = _weight("int8 nk")
+    x = jax.random.normal(jax.random.key(2), (3, K)).astype(jnp.bfloat16)
+    dims = (((1,), (1,)), ((), ()))
+    assert qcore.dot_general(x, q, dims).dtype == jnp.float32
+    assert qcore.dot_general(x, q, dims, preferred_element_type=jnp.bfloat16).dtype == jnp.bfloat16
+    f = jax.jit(lambda x, q: qcore.dot_general(x, q, dims))
+    np.testing.assert_array_equal(f(x, q), qcore.dot_general(x, q, dims))
