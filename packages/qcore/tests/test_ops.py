@@ -25,6 +25,7 @@ from jax import lax
 import qcore
 from qcore import HowToQuantize, QArray, dequantize, quantize
 from qcore.metrics import mean_relative_error
+from qcore.ops import kernels
 
 HIGHEST = lax.Precision.HIGHEST
 MATMUL = (((1,), (0,)), ((), ()))
@@ -167,14 +168,22 @@ def test_integer_path_equals_dequantize_then_highest_float(lshape, rshape, dims,
     assert y.dtype == F32
     assert max_rel_err(y, ref) <= tol
     # ...and the integer path really ran: one int8 x int8 -> int32 contraction, no float one.
+    # Exception, documented in qcore.ops.kernels: a 2-D (K, N) weight times int8 activations
+    # runs as a scan of exact bf16 block products (|code| <= 127 is exact in bf16 and block
+    # sums stay below 2**24), faster than XLA:CPU's int8 GEMM with that layout.
     dots = primitive_dtypes(lambda a, b: qcore.dot_general(a, b, dims), a, b)
-    assert dots == [INT8_INTO_INT32]
+    if kernels.fast_dot_general(a, b, dims, None) is not None and dims[0][1] == (0,):
+        assert set(dots) <= {((BF16, BF16), F32), ((F32, F32), F32)}, dots
+    else:
+        assert dots == [INT8_INTO_INT32]
 
 
 def test_jaxpr_of_jitted_dot_general_contracts_int8_into_int32():
+    # Weight stored (N, K): the layout whose w8a8 kernel is an int8 GEMM (qcore.ops.kernels).
     a = quantize(normal((4, 32), 3), spec("int8", (0,)))
-    b = quantize(normal((32, 8), 4), spec("int8", (1,)))
-    text = str(jax.make_jaxpr(jax.jit(partial(qcore.dot_general, dimension_numbers=MATMUL)))(a, b))
+    b = quantize(normal((8, 32), 4), spec("int8", (0,)))
+    nk = (((1,), (1,)), ((), ()))
+    text = str(jax.make_jaxpr(jax.jit(partial(qcore.dot_general, dimension_numbers=nk)))(a, b))
     # Each dot_general equation prints as `out:type = dot_general[params] lhs rhs`.
     dots = re.findall(r"(\w+):(\w+)\[[\d,]*\] = dot_general\[(.*?)\] (\w+) (\w+)", text, re.S)
     assert len(dots) == 1, text
