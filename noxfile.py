@@ -112,4 +112,4 @@ def demo(session: nox.Session) -> None:
 def bench(session: nox.Session) -> None:
     """Run the benchmarks (benchmarks/*.py) against float and Qwix; not in the default suite."""
     session.install(*_editable(*PACKAGES), QWIX)
-    session.run("python", "benchmarks/ops.py", *session.posargs)
+    session.run("python", "benchmarks/ops.py", *(session.posargs or ["--readme"]))

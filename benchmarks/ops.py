@@ -227,18 +227,47 @@ def machine() -> dict[str, Any]:
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    """Markdown table of the results."""
+    """Markdown table of the results; quantized configs slower than fp32 are flagged."""
     lines = [
-        "| case | config | median ms | vs fp32 | vs Qwix | max rel err | weight MiB |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: |",
+        "| case | config | median ms | vs fp32 | vs Qwix | max rel err | weight KiB | note |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | --- |",
     ]
     for r in rows:
         vs_q = "" if r["speedup_vs_qwix"] is None else f"{r['speedup_vs_qwix']:.1f}×"
+        ours = r["impl"] not in ("fp32", "bf16") and "qwix" not in r["impl"]
+        note = "slower than fp32" if ours and r["speedup_vs_fp32"] < 1 else ""
         lines.append(
             f"| {r['case']} | {r['impl']} | {r['median_ms']:.3f} | {r['speedup_vs_fp32']:.2f}× "
-            f"| {vs_q} | {r['max_rel_error']:.1e} | {r['weight_bytes'] / 2**20:.1f} |"
+            f"| {vs_q} | {r['max_rel_error']:.1e} | {r['weight_bytes'] / 2**10:,.0f} | {note} |"
         )
     return "\n".join(lines)
+
+
+def report(data: dict[str, Any]) -> str:
+    """The README section: machine, settings and the table."""
+    m = data["machine"]
+    return "\n".join(
+        [
+            f"Measured {m['date']} on {m['cpu']} ({m['cores']} cores), Python {m['python']}, "
+            f"jax {m['jax']}, qcore {m['qcore']}, Qwix {m['qwix']}; GLIBC_TUNABLES "
+            f"{m['GLIBC_TUNABLES']}, XLA_FLAGS {m['XLA_FLAGS']}. Median of {m['reps']} calls "
+            f"after warm-up, cycling {m['ring']} distinct weight buffers; ratios are to the "
+            "fp32 (or Qwix) row of the same case in the same run.",
+            "",
+            table(data["rows"]),
+        ]
+    )
+
+
+def update_readme(data: dict[str, Any], path: Path) -> None:
+    """Replaces the text between the ops markers of benchmarks/README.md."""
+    begin, end = "<!-- ops:begin -->", "<!-- ops:end -->"
+    text = path.read_text()
+    if begin not in text or end not in text:
+        raise SystemExit(f"{path} has no {begin} ... {end} section to update")
+    head, rest = text.split(begin, 1)
+    _, tail = rest.split(end, 1)
+    path.write_text(f"{head}{begin}\n{report(data)}\n{end}{tail}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -250,7 +279,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="batch-1 matmul only, 5 reps")
     parser.add_argument("--no-qwix", action="store_true", help="skip the Qwix comparison")
     parser.add_argument("--out", type=Path, default=HERE / "results" / "ops.json")
+    parser.add_argument(
+        "--readme", action="store_true", help="also rewrite the table in benchmarks/README.md"
+    )
+    parser.add_argument(
+        "--from-json", type=Path, help="only re-render the README table from this results file"
+    )
     args = parser.parse_args(argv)
+    if args.from_json:
+        update_readme(json.loads(args.from_json.read_text()), HERE / "README.md")
+        return 0
     if args.quick:
         args.reps = 5
     if args.reps < 5:
@@ -285,8 +323,12 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(table(rows))
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"machine": info, "rows": rows}, indent=1))
+    data = {"machine": info, "rows": rows}
+    args.out.write_text(json.dumps(data, indent=1))
     print(f"\nwrote {args.out}")
+    if args.readme:
+        update_readme(data, HERE / "README.md")
+        print(f"updated {HERE / 'README.md'}")
     return 0
 
 
