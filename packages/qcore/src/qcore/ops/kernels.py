@@ -96,19 +96,28 @@ def _scan_rows(fn, blocks):
 def int8_weight_only(
     x, w_codes, w_scale, *, layout="nk", precision="highest", digits=None, block=None
 ):
-    """Y = x @ (codes * scale), x (M, K) f32, scale (1, N) -> (M, N) f32.
+    """``x @ (codes * scale)`` for int8-coded weights and float activations.
 
-    layout="nk": w_codes (N, K) int8 (recommended).  layout="kn": w_codes (K, N) int8.
-    precision: "highest" (f32-level error, <= ~6e-7 measured): nd = 3 digits / f32 blocks;
-      "high" (~4e-5): nd = 2 digits for M <= 16 (~25 % faster), f32 blocks for M > 16;
-      "bf16" (~2e-3): nd = 2 digits for M <= 16 (faster AND more accurate than bf16 there),
-      bf16 blocks for M > 16 (~1.7x faster than f32 at M = 64).
-    Heuristic (nk): M <= 16 -> int8-digit GEMM (nd as above, or `digits`), unblocked;
-                    M > 16  -> scan over N blocks of `block` rows (default 512, i.e. an
-                               f32 block of 512*K*4 = 8 MiB / bf16 4 MiB), YNNPACK float dot.
-    Heuristic (kn): M = 1 -> single loop fusion over 16-row groups + tiny GEMV (see below);
-                    M > 1 -> scan over K blocks of `block` rows (default block_k = 256: one
-                    converted f32 block 256*N*4 = 4 MiB) with a YNNPACK dot inside.
+    With ``layout="nk"`` (recommended; ``w_codes`` is ``(N, K)``): up to 16 rows,
+    each activation row is split into ``nd`` signed base-256 int8 digits with one
+    scale per row (``nd = 3``: 23 bits, f32-level error) and multiplied in one exact
+    int8 GEMM with the weight on the left; larger batches scan blocks of 512 weight
+    rows, each converted and multiplied in f32 (bf16 with ``precision="bf16"``). With
+    ``layout="kn"`` (``(K, N)``): batch 1 runs one loop fusion over 16-row partial
+    sums; larger batches scan K blocks of 256 rows. Scales multiply the output only.
+
+    Args:
+        x: ``(M, K)`` activations.
+        w_codes: ``(N, K)`` or ``(K, N)`` int8 codes (any signed int type up to 8 bits).
+        w_scale: ``(1, N)`` float32 scales.
+        layout: ``"nk"`` or ``"kn"``.
+        precision: ``"highest"`` (3 digits / f32 blocks), ``"high"`` (2 digits, ~4e-5
+            relative error) or ``"bf16"`` (2 digits / bf16 blocks, ~2e-3).
+        digits: Force the digit path with this many digits.
+        block: Rows per scan block (default as above).
+
+    Returns:
+        ``(M, N)`` float32.
     """
     m, k = x.shape
     if layout == "nk":
@@ -170,24 +179,31 @@ def _unpack_nk(p):
 def int4_packed_weight_only(
     x, w_packed, w_scale, *, group_size=None, layout="nk", precision="highest", block=None
 ):
-    """Y = x @ (codes * scale) with int4 codes packed along K.
+    """``x @ (codes * scale)`` with int4 codes packed two per byte along K.
 
-    layout="nk" (recommended): w_packed (N, K/2) uint8, byte i of row n holds codes
-      (k=2i low nibble, k=2i+1 high nibble).  layout="kn": w_packed (K/2, N), byte row i holds
-      K rows 2i (low) and 2i+1 (high) -- the qcore/brief layout.
-    w_scale: (1, N) per column, or (K // group_size, N) sub-channel (group_size e.g. 128).
-    Heuristic (nk): scan over N blocks of `block` rows (default 512: 512 x K/2 packed bytes
-      = 1 MiB in, 2 MiB of unpacked int8 -> stays in L2/L3), unpack by shifts in the block,
-      and never interleave the nibbles (XLA's interleave codegen is ~5x slower than the rest):
-      x is de-interleaved instead (x_even pairs with low nibbles, x_odd with high ones).
-      M <= 16: int8-digit GEMMs (nd = 3 for "highest", 2 for "high"/"bf16"; exact integer
-      arithmetic, two dots per block); M > 16: float (f32, or bf16 for precision="bf16")
-      YNNPACK dots on converted nibbles.
-      Sub-channel: blocks of 256 rows; per block the nibbles are converted to f32 and multiplied
-      by their group scale inside the unpack fusion, then float dots (f32; bf16 only for
-      M > 16 with precision="bf16"). M = 1 is padded to 2 activation rows (YNNPACK needs >= 2).
-      For sub-channel scales at M = 1 the (K/2, N) "kn" loop-fusion path is faster (1.75x vs
-      1.25x f32): the digit trick cannot absorb per-group float scales cheaply.
+    With ``layout="nk"`` (recommended) ``w_packed`` is ``(N, K/2)`` uint8, byte ``i``
+    of row ``n`` holding codes ``k = 2i`` (low nibble) and ``2i + 1`` (high nibble);
+    with ``layout="kn"`` it is ``(K/2, N)`` with byte row ``i`` holding K rows ``2i``
+    and ``2i + 1`` (qcore's packing along axis 0). Blocks of 512 weight rows (256
+    with group scales) are unpacked by arithmetic shifts inside a ``lax.scan``, and
+    the nibbles are never interleaved back into K order: the activation is split into
+    its even and odd columns instead. Up to 16 rows with per-column scales use the
+    int8-digit GEMM (see :func:`int8_weight_only`); larger batches use f32 dots
+    (bf16 with ``precision="bf16"``); group scales are multiplied in during the
+    unpack. At batch 1 with ``"kn"`` a single loop fusion over 16-row partial sums
+    avoids any weight-size temporary.
+
+    Args:
+        x: ``(M, K)`` activations.
+        w_packed: Packed codes (see above).
+        w_scale: ``(1, N)`` per-column scales or ``(K // group_size, N)`` group scales.
+        group_size: K rows per group scale, or None.
+        layout: ``"nk"`` or ``"kn"``.
+        precision: ``"highest"`` (f32-level error), ``"high"`` or ``"bf16"``.
+        block: Weight rows per scan block (default as above).
+
+    Returns:
+        ``(M, N)`` float32.
     """
     m, k = x.shape
     x = x.astype(f32)
@@ -313,15 +329,27 @@ def _int4_kn(x, w_packed, w_scale, group_size, precision, block):
 # C. w8a8: int8 activations (per-row scale) x int8 weights (per-column scale)
 # ----------------------------------------------------------------------------------------------
 def w8a8(x_codes, x_scale, w_codes, w_scale, *, layout="nk", block=None):
-    """Y = (x_codes * x_scale) @ (w_codes * w_scale), exact int32 (or exact-in-f32) accumulation.
+    """``(x_codes * x_scale) @ (w_codes * w_scale)`` with exact integer accumulation.
 
-    layout="nk" (recommended): w_codes (N, K); one int8 x int8 -> int32 YNNPACK GEMM with the
-      weight as left operand (no per-call weight packing). M = 1 is padded to 2 rows, because
-      a 1-wide dot falls back to the legacy GEMV that upcasts the whole weight to s32.
-    layout="kn": w_codes (K, N); the int8 dot would re-pack the weight every call, so instead
-      scan over K blocks (block_k 512) converting int8 -> bf16 (exact: |code| <= 127 fits
-      bf16's 8-bit significand; products exact in f32, block sums < 2^24 exact), bf16 YNNPACK
-      dot with f32 accumulation. M = 1: same with f32 (1-wide bf16 dots are upcast).
+    With ``layout="nk"`` (recommended; ``w_codes`` is ``(N, K)``) this is one
+    int8 × int8 → int32 GEMM with the weight as the left operand, so XLA does not
+    re-pack the weight per call; batch 1 is padded to 2 rows because a 1-wide dot
+    falls back to a GEMV that widens the whole weight. With ``layout="kn"``
+    (``(K, N)``) the int8 GEMM would re-pack the weight, so K blocks of 512 rows are
+    converted to bf16 (exact: ``|code| <= 127`` fits bf16's significand, products are
+    exact in f32 and block sums stay below ``2**24``) and multiplied with f32
+    accumulation (f32 at batch 1).
+
+    Args:
+        x_codes: ``(M, K)`` int8 activation codes.
+        x_scale: ``(M, 1)`` float32 scales.
+        w_codes: ``(N, K)`` or ``(K, N)`` int8 weight codes.
+        w_scale: ``(1, N)`` float32 scales.
+        layout: ``"nk"`` or ``"kn"``.
+        block: K block length for ``"kn"`` (default: the largest power of two <= 512).
+
+    Returns:
+        ``(M, N)`` float32.
     """
     m, k = x_codes.shape
     if layout == "nk":
