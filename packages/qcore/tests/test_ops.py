@@ -10,10 +10,7 @@ Cost: each case quantizes, contracts and computes its reference inside one
 compile per shape).
 """
 
-import os
 import re
-import subprocess
-import sys
 from functools import partial
 
 import jax
@@ -23,7 +20,7 @@ import pytest
 from jax import lax
 
 import qcore
-from qcore import HowToQuantize, QArray, dequantize, quantize
+from qcore import HowToQuantize, QArray, dequantize, quantize, testing
 from qcore.metrics import mean_relative_error
 from qcore.ops import kernels
 
@@ -49,34 +46,8 @@ def spec(qtype, channels=(), tiles=None, *, asym=False, calibration=None, **kwar
     )
 
 
-def max_rel_err(y, ref):
-    """max |y - ref| / max |ref| in float64."""
-    y, ref = np.asarray(y, np.float64), np.asarray(ref, np.float64)
-    assert y.shape == ref.shape, (y.shape, ref.shape)
-    return float(np.max(np.abs(y - ref)) / np.max(np.abs(ref)))
-
-
 def primitive_dtypes(fn, *args, name="dot_general"):
-    """``(operand dtypes, preferred_element_type)`` of every ``name`` equation in fn's jaxpr.
-
-    Nested jaxprs (jit, custom rules) are searched too.
-    """
-    found = []
-
-    def walk(jaxpr):
-        for eqn in jaxpr.eqns:
-            if eqn.primitive.name == name:
-                dtypes = tuple(jnp.dtype(v.aval.dtype) for v in eqn.invars)
-                pref = eqn.params.get("preferred_element_type")
-                found.append((dtypes, None if pref is None else jnp.dtype(pref)))
-            for param in eqn.params.values():
-                for sub in param if isinstance(param, tuple | list) else (param,):
-                    sub = getattr(sub, "jaxpr", sub)
-                    if hasattr(sub, "eqns"):
-                        walk(sub)
-
-    walk(jax.make_jaxpr(fn)(*args).jaxpr)
-    return found
+    return testing.primitive_dtypes(fn, *args, name=name)
 
 
 INT8_INTO_INT32 = ((jnp.dtype(jnp.int8), jnp.dtype(jnp.int8)), jnp.dtype(jnp.int32))
@@ -166,7 +137,7 @@ def test_integer_path_equals_dequantize_then_highest_float(lshape, rshape, dims,
 
     y, ref, a, b = jax.jit(run)(normal(lshape, 1, shift=0.3), normal(rshape, 2))
     assert y.dtype == F32
-    assert max_rel_err(y, ref) <= tol
+    assert testing.max_rel_error(y, ref) <= tol
     # ...and the integer path really ran: one int8 x int8 -> int32 contraction, no float one.
     # Exception, documented in qcore.ops.kernels: a 2-D (K, N) weight times int8 activations
     # runs as a scan of exact bf16 block products (|code| <= 127 is exact in bf16 and block
@@ -221,7 +192,7 @@ def test_float_path_qtypes_equal_dequantize_then_highest_float(how):
 
     x = normal((8, 64), 30)
     y, ref, q = jax.jit(run)(x, normal((64, 16), 31))
-    assert max_rel_err(y, ref) <= 1e-5
+    assert testing.max_rel_error(y, ref) <= 1e-5
     dots = primitive_dtypes(lambda x, q: qcore.dot_general(x, q, MATMUL), x, q)
     assert dots == [((F32, F32), F32)]
 
@@ -286,7 +257,7 @@ def test_contraction_error_on_normal_data(normal_matmul, wbits, abits, bound, ti
     # All of that error is quantization: against the float64 product of the
     # dequantized operands only float32 rounding is left (observed <= 5e-7).
     dx = x.astype(np.float64) if ha is None else _np_dequantize(qx)
-    assert max_rel_err(y, dx @ _np_dequantize(qw)) <= 1e-5
+    assert testing.max_rel_error(y, dx @ _np_dequantize(qw)) <= 1e-5
 
 
 # -- 3. result dtypes -----------------------------------------------------------------------
@@ -444,7 +415,7 @@ def test_einsum_matches_jnp_einsum_on_dequantized_operands(subscripts, lshape, r
     results = jax.jit(run)(normal(lshape, 11, shift=0.2), normal(rshape, 12, shift=0.4))
     for side, (y, ref) in results.items():
         assert y.dtype == F32, side
-        assert max_rel_err(y, ref) <= 1e-5, side
+        assert testing.max_rel_error(y, ref) <= 1e-5, side
 
 
 def test_einsum_of_plain_arrays_is_jnp_einsum():
@@ -486,7 +457,7 @@ def test_dot_and_matmul_match_jnp_on_dequantized_operands(fn, lshape, rshape):
         }
 
     for side, (y, ref) in jax.jit(run)(normal(lshape, 15, 0.3), normal(rshape, 16)).items():
-        assert max_rel_err(y, ref) <= 1e-5, side
+        assert testing.max_rel_error(y, ref) <= 1e-5, side
 
 
 def test_dot_with_a_0d_operand_scales_the_dequantized_array():
@@ -640,14 +611,7 @@ print("ok")
 
 
 def test_sharded_operands_give_a_sharded_result_on_a_simulated_8_device_mesh():
-    env = dict(
-        os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu"
-    )
-    out = subprocess.run(
-        [sys.executable, "-c", SHARDING_SCRIPT], env=env, capture_output=True, text=True
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.strip() == "ok"
+    assert testing.run_on_cpu_devices(SHARDING_SCRIPT, 8).strip() == "ok"
 
 
 # -- 9. bad inputs ---------------------------------------------------------------------------

@@ -14,7 +14,7 @@ import pytest
 from jax import lax
 
 import qcore
-from qcore import HowToQuantize, dequantize, quantize
+from qcore import HowToQuantize, dequantize, quantize, testing
 
 HIGHEST = lax.Precision.HIGHEST
 INT8_INTO_INT32 = ((jnp.dtype(jnp.int8), jnp.dtype(jnp.int8)), jnp.dtype(jnp.int32))
@@ -35,33 +35,6 @@ def spec(qtype, channels=(), tiles=None, *, asym=False, **kwargs):
         calibration="minmax" if asym else "absmax",
         **kwargs,
     )
-
-
-def max_rel_err(y, ref):
-    """max |y - ref| / max |ref| in float64."""
-    y, ref = np.asarray(y, np.float64), np.asarray(ref, np.float64)
-    assert y.shape == ref.shape, (y.shape, ref.shape)
-    return float(np.max(np.abs(y - ref)) / np.max(np.abs(ref)))
-
-
-def primitive_dtypes(fn, *args, name):
-    """``(operand dtypes, preferred_element_type)`` of every ``name`` equation in fn's jaxpr."""
-    found = []
-
-    def walk(jaxpr):
-        for eqn in jaxpr.eqns:
-            if eqn.primitive.name == name:
-                dtypes = tuple(jnp.dtype(v.aval.dtype) for v in eqn.invars)
-                pref = eqn.params.get("preferred_element_type")
-                found.append((dtypes, None if pref is None else jnp.dtype(pref)))
-            for param in eqn.params.values():
-                for sub in param if isinstance(param, tuple | list) else (param,):
-                    sub = getattr(sub, "jaxpr", sub)
-                    if hasattr(sub, "eqns"):
-                        walk(sub)
-
-    walk(jax.make_jaxpr(fn)(*args).jaxpr)
-    return found
 
 
 def _sides(hx):
@@ -205,10 +178,10 @@ def test_conv_matches_lax_on_dequantized_operands(name):
     results = jax.jit(run)(normal(xshape, 1, shift=0.5), normal(kshape, 2))
     for side, (y, ref, qx, qk) in results.items():
         assert y.dtype == jnp.float32, side
-        assert max_rel_err(y, ref) <= 1e-5, side
+        assert testing.max_rel_error(y, ref) <= 1e-5, side
         if side == "xw":
             # Two integer operands convolve int8 codes into int32 on the scaled path only.
-            convs = primitive_dtypes(
+            convs = testing.primitive_dtypes(
                 lambda a, b: qcore.conv_general_dilated(a, b, **kw),
                 qx,
                 qk,
@@ -276,10 +249,10 @@ def test_ragged_dot_matches_lax_on_dequantized_operands(name):
     results = jax.jit(run)(normal((M, K), 3, shift=0.3), normal((G, K, N), 4), group_sizes)
     for side, (y, ref, dx, dw, qx, qw) in results.items():
         assert y.shape == (M, N) and y.dtype == jnp.float32, side
-        assert max_rel_err(y, ref) <= 1e-5, side
-        assert max_rel_err(y, _np_ragged(dx, dw, sizes)) <= 1e-5, side
+        assert testing.max_rel_error(y, ref) <= 1e-5, side
+        assert testing.max_rel_error(y, _np_ragged(dx, dw, sizes)) <= 1e-5, side
         if side == "xw":
-            dots = primitive_dtypes(
+            dots = testing.primitive_dtypes(
                 lambda a, b: qcore.ragged_dot(a, b, group_sizes), qx, qw, name="ragged_dot_general"
             )
             # Operands are (lhs, rhs, group_sizes): int8 codes into int32 on every k tile.
@@ -296,7 +269,7 @@ def test_ragged_dot_under_jit_leaves_rows_past_the_groups_zero_like_lax():
     y = jax.jit(qcore.ragged_dot)(x, q, gs)
     ref = lax.ragged_dot(x, dequantize(q), gs, precision=HIGHEST)
     assert not np.any(np.asarray(y)[6:]) and not np.any(np.asarray(ref)[6:])
-    assert max_rel_err(y, ref) <= 1e-5
+    assert testing.max_rel_error(y, ref) <= 1e-5
 
 
 def test_ragged_dot_of_plain_arrays_is_lax_ragged_dot():

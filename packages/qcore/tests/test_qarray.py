@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import qcore
-from qcore import HowToQuantize, QArray, dequantize, qtypes, quantize
+from qcore import HowToQuantize, QArray, dequantize, qtypes, quantize, testing
 from qcore.metrics import mean_relative_error
 
 UNIFORM = [f"int{b}" for b in range(2, 9)] + ["int16"] + [f"uint{b}" for b in range(1, 9)]
@@ -323,18 +323,7 @@ print("ok")
 
 
 def test_sharding_is_kept_on_a_simulated_8_device_mesh():
-    import os
-    import subprocess
-    import sys
-
-    env = dict(
-        os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu"
-    )
-    out = subprocess.run(
-        [sys.executable, "-c", SHARDING_SCRIPT], env=env, capture_output=True, text=True
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.strip() == "ok"
+    assert testing.run_on_cpu_devices(SHARDING_SCRIPT, 8).strip() == "ok"
 
 
 # -- shape-like helpers ---------------------------------------------------------------

@@ -7,7 +7,7 @@ import pytest
 from jax import lax
 
 import qcore
-from qcore import BackwardQuant, HowToQuantize, TrainingQuant
+from qcore import BackwardQuant, HowToQuantize, TrainingQuant, testing
 
 INT8_ROWS = HowToQuantize(qtype="int8", channelwise_axes=(0,))
 INT8_COLS = HowToQuantize(qtype="int8", channelwise_axes=(1,))
@@ -15,11 +15,6 @@ DIMS = (((1,), (0,)), ((), ()))
 X = jax.random.normal(jax.random.key(0), (16, 64))
 W = jax.random.normal(jax.random.key(1), (64, 32))
 T = jax.random.normal(jax.random.key(2), (16, 32))  # regression target
-
-
-def rel(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
 
 
 def test_forward_is_the_quantized_op():
@@ -45,7 +40,7 @@ def test_gradients_match_the_fake_quant_ste_reference():
 
     ref = jax.grad(_loss(fake), (0, 1))(X, W)
     for a, b in zip(ours, ref, strict=True):
-        assert rel(a, b) < 0.03
+        assert testing.max_rel_error(a, b) < 0.03
 
 
 def test_gradients_match_finite_differences_of_the_surrogate():
@@ -102,7 +97,7 @@ def test_quantized_backward_contractions():
     np.testing.assert_allclose(dx, deq(g, sr8, k3a) @ deq(W, INT8_COLS).T, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(dw, deq(X, INT8_ROWS).T @ deq(g, sr8, k4a), rtol=1e-5, atol=1e-5)
     # And it is a gradient estimate: close to the float one.
-    assert rel(dw, np.asarray(X).T @ np.asarray(g)) < 0.05
+    assert testing.max_rel_error(dw, np.asarray(X).T @ np.asarray(g)) < 0.05
 
 
 def test_stochastically_rounded_gradients_are_unbiased():
@@ -140,7 +135,7 @@ def test_conv_gradients_are_not_zero_and_match_float():
     gf = jax.grad(loss_f, (0, 1))(x, k)
     for a, b in zip(gq, gf, strict=True):
         assert np.all(np.asarray(a) != 0.0) or np.count_nonzero(np.asarray(a)) > 0.9 * a.size
-        assert rel(a, b) < 0.03
+        assert testing.max_rel_error(a, b) < 0.03
 
 
 def test_einsum_and_ragged_dot_training():
@@ -149,12 +144,12 @@ def test_einsum_and_ragged_dot_training():
     gs = jnp.array([5, 0, 11], jnp.int32)
     gq = jax.grad(lambda e: jnp.sum(qcore.train_ragged_dot(X, e, gs, cfg) ** 2))(experts)
     gf = jax.grad(lambda e: jnp.sum(lax.ragged_dot(X, e, gs) ** 2))(experts)
-    assert rel(gq, gf) < 0.03
+    assert testing.max_rel_error(gq, gf) < 0.03
     np.testing.assert_array_equal(gq[1], 0.0)  # the empty group gets no gradient
     cfg2 = TrainingQuant(lhs=HowToQuantize(qtype="int8"), rhs=INT8_COLS)
     ge = jax.grad(lambda w: jnp.sum(qcore.train_einsum("bd,df->bf", X, w, cfg2) ** 2))(W)
     gr = jax.grad(lambda w: jnp.sum((X @ w) ** 2))(W)
-    assert rel(ge, gr) < 0.03
+    assert testing.max_rel_error(ge, gr) < 0.03
 
 
 def test_jit_equals_eager_and_dtypes():
@@ -166,7 +161,7 @@ def test_jit_equals_eager_and_dtypes():
     eager, jitted = f(X, W), jax.jit(f)(X, W)
     for a, b in zip(eager, jitted, strict=True):
         # The forward is bit-identical; float gradient sums may be reassociated by XLA.
-        assert rel(a, b) < 1e-6
+        assert testing.max_rel_error(a, b) < 1e-6
     xb = X.astype(jnp.bfloat16)
     g = jax.grad(lambda x: jnp.sum(qcore.train_dot_general(x, W, DIMS, cfg).astype(jnp.float32)))(
         xb
