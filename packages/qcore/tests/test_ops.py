@@ -705,3 +705,15 @@ def test_non_numeric_operands_are_refused(op, args):
         call("abc", q)
     with pytest.raises(ValueError, match=rf"{second} must be an array or a QArray, got dtype bool"):
         call(q, np.ones((4, 3), bool))
+
+
+def test_per_input_channel_activation_scales_do_not_blow_up_memory():
+    # One scale per input channel (SmoothQuant-style) would make 2048 groups of a
+    # (64, 1024) result (512 MiB of f32); qcore dequantizes instead. Checked for value.
+    x = normal((64, 2048), 40, 0.3)
+    w = normal((2048, 1024), 41)
+    xq = quantize(x, spec("int8", (1,)))
+    wq = quantize(w, spec("int8", (1,)))
+    y = qcore.dot_general(xq, wq, MATMUL)
+    ref = np.asarray(dequantize(xq), np.float64) @ np.asarray(dequantize(wq), np.float64)
+    assert testing.max_rel_error(y, ref) < 1e-5

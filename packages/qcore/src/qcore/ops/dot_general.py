@@ -13,6 +13,10 @@ The contraction is rewritten so that scales never multiply the inputs:
 4. The result is multiplied by both scales (broadcast along batch and free axes)
    and the group axes are summed.
 
+When the groups would make that intermediate result large (fine scale tiles along
+the contraction, such as one activation scale per input channel), the operands are
+dequantized and contracted in float32 instead.
+
 This equals dequantize-then-contract up to float rounding, and never
 materialises a scaled copy of either operand.
 
@@ -192,10 +196,22 @@ def _groups(a: Operand, b: Operand, lc, rc) -> list[int]:
     return groups
 
 
+# Above this many elements in the per-group result (output size x groups), fine scale
+# tiles along a contracting axis (e.g. one activation scale per input channel) are
+# cheaper to apply by dequantizing than as a group axis: 2**26 f32 = 256 MiB.
+_MAX_GROUPED_ELEMENTS = 2**26
+
+
 def scaled_dot_general(a: Operand, b: Operand, dims, precision: Any = None) -> Array:
     """The contraction of two normalised operands in float32 (see the module docstring)."""
     (lc, rc), (lb, rb) = dims
     groups = _groups(a, b, lc, rc)
+    out_size = math.prod(a.shape[i] for i in range(a.ndim) if i not in lc)
+    out_size *= math.prod(b.shape[i] for i in range(b.ndim) if i not in rc and i not in rb)
+    if math.prod(groups) > 1 and out_size * math.prod(groups) > _MAX_GROUPED_ELEMENTS:
+        return lax.dot_general(
+            a.dequantized(), b.dequantized(), dims, precision, preferred_element_type=jnp.float32
+        )
     a, nfa, nc = _canonical(a, lc, lb, groups)
     b, nfb, _ = _canonical(b, rc, rb, groups)
     integer = a.integer and b.integer
