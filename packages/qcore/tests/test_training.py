@@ -175,3 +175,18 @@ def test_errors():
         qcore.train_dot_general(X, W, DIMS, TrainingQuant(dlhs=BackwardQuant(grad=sr)))
     with pytest.raises(ValueError, match="must be a qcore.TrainingQuant"):
         qcore.train_dot_general(X, W, DIMS, {"lhs": INT8_ROWS})  # type: ignore[arg-type]
+
+
+def test_clip_gradient_zeroes_gradients_where_the_forward_saturates():
+    fixed = HowToQuantize(qtype="int8", calibration="fixed,-1,1")
+    cfg = TrainingQuant(lhs=fixed, rhs=fixed, clip_gradient=True)
+    x = jnp.array([[0.5, 3.0, -0.2]])
+    w = jnp.array([[1.5], [0.3], [-0.9]])
+    dx, dw = jax.grad(lambda x, w: jnp.sum(qcore.train_dot_general(x, w, DIMS, cfg)), (0, 1))(x, w)
+    # dx = w^T and dw = x^T (the gradient of a sum), zeroed where the operand itself
+    # lies outside [-1, 1]: x[1] = 3.0 and w[0] = 1.5.
+    np.testing.assert_allclose(dx, [[1.5, 0.0, -0.9]])
+    np.testing.assert_allclose(dw, [[0.0], [3.0], [-0.2]])
+    np.testing.assert_array_equal(
+        qcore.fakequant.in_calibrated_range(x, fixed), [[True, False, True]]
+    )

@@ -48,6 +48,19 @@ def _forward(x, how, key):
     return qarray.dequantize(q), (lo, hi)
 
 
+def in_calibrated_range(x: jax.Array, how: HowToQuantize) -> jax.Array:
+    """True where ``x`` lies inside the range ``how``'s calibration gives ``x``.
+
+    This is where the straight-through gradient passes when gradients are clipped
+    (outside it values saturate). Symmetric signed specs cover ``[-b, b]`` with
+    ``b = max(|lo|, |hi|)``, symmetric unsigned ``[0, hi]``, asymmetric
+    ``[min(lo, 0), max(hi, 0)]``.
+    """
+    x = jnp.asarray(x)
+    *_, lo, hi = qarray.calibrate(x, how)
+    return _range_mask(x, lo, hi, how)
+
+
 def _range_mask(x, lo, hi, how):
     if how.symmetric and how.resolved_qtype.signed:
         bound = jnp.maximum(jnp.abs(lo), jnp.abs(hi))

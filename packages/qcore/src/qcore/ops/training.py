@@ -51,6 +51,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from qcore.fakequant import in_calibrated_range
 from qcore.ops.conv import conv_general_dilated
 from qcore.ops.dot_general import dot_general
 from qcore.ops.einsum import einsum
@@ -84,12 +85,16 @@ class TrainingQuant:
         rhs: Forward quantization of the right operand, or None for float.
         dlhs: Quantization of the contraction computing the lhs gradient.
         drhs: Quantization of the contraction computing the rhs gradient.
+        clip_gradient: Zero each operand's gradient where it lies outside the range
+            its forward spec calibrated (where the forward saturates), as
+            ``fake_quant(..., clip_gradient=True)`` does.
     """
 
     lhs: HowToQuantize | None = None
     rhs: HowToQuantize | None = None
     dlhs: BackwardQuant = BackwardQuant()
     drhs: BackwardQuant = BackwardQuant()
+    clip_gradient: bool = False
 
     def specs(self) -> list[HowToQuantize]:
         """Every spec that is set, forward first."""
@@ -138,11 +143,17 @@ def _train(
         qb = _maybe_quantize(rhs, config.rhs, k2)
         return quantized_op(qa, qb, *aux)
 
+    def mask(x: Array, how: HowToQuantize | None) -> Array | None:
+        if not config.clip_gradient or how is None:
+            return None
+        return in_calibrated_range(x, how)
+
     def fwd(lhs, rhs, aux, key):
-        return op(lhs, rhs, aux, key), (lhs, rhs, aux, key)
+        masks = (mask(lhs, config.lhs), mask(rhs, config.rhs))
+        return op(lhs, rhs, aux, key), (lhs, rhs, aux, key, masks)
 
     def bwd(res, g):
-        lhs, rhs, aux, key = res
+        lhs, rhs, aux, key, (mask_l, mask_r) = res
         _, _, k3, k4 = jax.random.split(key, 4)
         k3a, k3b = jax.random.split(k3)
         k4a, k4b = jax.random.split(k4)
@@ -154,6 +165,10 @@ def _train(
         g_r = _fake(g, config.drhs.grad, k4a)
         _, vjp_r = jax.vjp(lambda b: float_op(lhs_b, b, *aux), rhs.astype(jnp.float32))
         (dl,), (dr,) = vjp_l(g_l), vjp_r(g_r)
+        if mask_l is not None:
+            dl = jnp.where(mask_l, dl, jnp.zeros_like(dl))
+        if mask_r is not None:
+            dr = jnp.where(mask_r, dr, jnp.zeros_like(dr))
         return dl.astype(lhs.dtype), dr.astype(rhs.dtype), None, None
 
     op.defvjp(fwd, bwd)
