@@ -30,6 +30,7 @@ DEMO_DEPS = ["matplotlib", "scikit-learn"]
 #     "qflax": ["qcore"],
 PACKAGES: dict[str, list[str]] = {
     "qcore": [],
+    "qflax": ["qcore"],
 }
 
 nox.options.sessions = ["tests", "integration", "lint", "typecheck", "docs"]

@@ -1,0 +1,233 @@
+r"""Quantization rules: which ops of which modules get quantized, and how.
+
+A :class:`QuantizationRule` selects ops by the ``/``-joined path of the module
+that calls them (a regex that must match the whole path, integer indices
+included, e.g. ``"layers/\d+/mlp/.*"``; or a callable predicate) and by op
+name. A :class:`RuleMatcher` applies a list of rules with first-match-wins
+precedence and remembers which rules ever matched, so a typo in a path shows up
+as an unused rule instead of a silently float model.
+
+A rule turns into qcore specs for an op's operands with :meth:`weight_spec` and
+:meth:`act_spec`: weights get one scale per output channel (every axis that is
+not contracted), optionally tiled along the contracting axes; activations get
+one scale per example along ``act_batch_axes``.
+
+Example:
+    >>> from qflax import QuantizationRule, RuleMatcher
+    >>> rules = [
+    ...     QuantizationRule(module_path="head", weight_qtype="int8"),
+    ...     QuantizationRule(module_path=r"layers/\d+/.*", weight_qtype="int4", tile_size=32),
+    ... ]
+    >>> m = RuleMatcher(rules)
+    >>> m.match("layers/3/dense", "dot_general").weight_qtype
+    'int4'
+    >>> m.match("embed", "dot_general") is None
+    True
+    >>> [r.module_path for r in m.unused_rules()]
+    ['head']
+    >>> rules[1].weight_spec(ndim=2, contracting_axes=(0,)).tiled_axes
+    ((0, 32),)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import threading
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, cast
+
+import qcore
+from qcore import HowToQuantize
+
+OP_NAMES: tuple[str, ...] = (
+    "dot_general",
+    "einsum",
+    "dot",
+    "matmul",
+    "conv_general_dilated",
+    "ragged_dot",
+)
+
+TileSize = int | float | Mapping[int, int | float] | None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class QuantizationRule:
+    """How to quantize the ops of the modules a path selects.
+
+    Attributes:
+        module_path: Regex fullmatched against the module's ``/``-joined path
+            (``".*"`` matches everything), or a callable ``path -> bool``.
+        op_names: Ops the rule applies to (default: all of :data:`OP_NAMES`).
+        weight_qtype: qtype of the weight operand, or None to keep it float.
+        act_qtype: qtype of the activation operand, or None (weight-only).
+        tile_size: Sub-channel tiles along the weight's contracting axes: an int
+            (tile length), a float in (0, 1) (fraction = 1 / number of tiles), or
+            ``{axis: size}`` for explicit axes; None for per-channel.
+        act_static_scale: Use stored (calibrated) activation scales instead of
+            computing them per call.
+        weight_calibration_method: Calibration of weight scales (qcore string).
+        act_calibration_method: Calibration of activation scales (qcore string).
+        act_batch_axes: Activation axes that get their own scale (e.g. ``(0,)``:
+            one scale per example); other axes share one.
+    """
+
+    module_path: str | Callable[[str], bool] = ".*"
+    op_names: Sequence[str] = OP_NAMES
+    weight_qtype: str | qcore.QType | None = None
+    act_qtype: str | qcore.QType | None = None
+    tile_size: TileSize = None
+    act_static_scale: bool = False
+    weight_calibration_method: str = "absmax"
+    act_calibration_method: str = "absmax"
+    act_batch_axes: Sequence[int] = (0,)
+
+    def __post_init__(self) -> None:
+        set_ = object.__setattr__
+        if isinstance(self.module_path, str):
+            try:
+                re.compile(self.module_path)
+            except re.error as err:
+                raise ValueError(
+                    f"module_path={self.module_path!r} is not a valid regex: {err}"
+                ) from None
+        elif not callable(self.module_path):
+            raise ValueError(
+                f"module_path={self.module_path!r} must be a regex string or a callable"
+            )
+        names = (self.op_names,) if isinstance(self.op_names, str) else tuple(self.op_names)
+        unknown = sorted(set(names) - set(OP_NAMES))
+        if unknown:
+            raise ValueError(
+                f"op_names={names}: {unknown} are not ops qflax intercepts; allowed: {OP_NAMES}"
+            )
+        set_(self, "op_names", names)
+        for field in ("weight_qtype", "act_qtype"):
+            value = getattr(self, field)
+            if value is not None:
+                try:
+                    qcore.qtypes.get(value)
+                except ValueError as err:
+                    raise ValueError(f"{field}: {err}") from None
+        for field in ("weight_calibration_method", "act_calibration_method"):
+            try:
+                qcore.calibration.parse(getattr(self, field))
+            except ValueError as err:
+                raise ValueError(f"{field}: {err}") from None
+        _check_tile_size(self.tile_size)
+        if isinstance(self.tile_size, Mapping):
+            set_(self, "tile_size", tuple(sorted(self.tile_size.items())))
+        set_(self, "act_batch_axes", tuple(self.act_batch_axes))
+        if self.act_static_scale and self.act_qtype is None:
+            raise ValueError("act_static_scale=True needs act_qtype (there is nothing to scale)")
+
+    def matches(self, path: str, op_name: str) -> bool:
+        """Whether this rule applies to op ``op_name`` called by the module at ``path``."""
+        if op_name not in self.op_names:
+            return False
+        if callable(self.module_path):
+            return bool(self.module_path(path))
+        return re.fullmatch(self.module_path, path) is not None
+
+    def weight_spec(self, ndim: int, contracting_axes: Sequence[int]) -> HowToQuantize | None:
+        """The qcore spec of a weight of rank ``ndim`` contracted over ``contracting_axes``.
+
+        One scale per output channel (every non-contracting axis), tiles from
+        ``tile_size`` along the contracting axes (an int or fraction applies to
+        each contracting axis; a mapping names axes explicitly).
+        """
+        if self.weight_qtype is None:
+            return None
+        contracting = tuple(a % ndim for a in contracting_axes)
+        channel = tuple(a for a in range(ndim) if a not in contracting)
+        return HowToQuantize(
+            qtype=self.weight_qtype,
+            channelwise_axes=channel,
+            tiled_axes=self._tiles(ndim, contracting),
+            calibration=self.weight_calibration_method,
+            pack=_packable(self.weight_qtype),
+            pack_axis=contracting[0] if contracting else -1,
+        )
+
+    def act_spec(self, ndim: int) -> HowToQuantize | None:
+        """The qcore spec of an activation of rank ``ndim`` (one scale per batch index)."""
+        if self.act_qtype is None:
+            return None
+        batch = tuple(a % ndim for a in self.act_batch_axes if -ndim <= a < ndim)
+        return HowToQuantize(
+            qtype=self.act_qtype,
+            channelwise_axes=batch,
+            calibration=self.act_calibration_method,
+        )
+
+    def _tiles(self, ndim: int, contracting: tuple[int, ...]) -> dict[int, int | float]:
+        tile = self.tile_size
+        if tile is None:
+            return {}
+        if isinstance(tile, int | float):
+            return {a: tile for a in contracting}
+        pairs = cast(tuple[tuple[int, int | float], ...], tile)  # normalised in __post_init__
+        return {a % ndim: t for a, t in pairs}
+
+
+def _packable(qtype: Any) -> bool:
+    return qcore.qtypes.get(qtype).packable
+
+
+def _check_tile_size(tile: TileSize) -> None:
+    def ok(t: Any) -> bool:
+        if isinstance(t, bool):
+            return False
+        return isinstance(t, int) and t > 0 or isinstance(t, float) and 0 < t < 1
+
+    if tile is None:
+        return
+    if isinstance(tile, Mapping):
+        bad = {a: t for a, t in tile.items() if not (isinstance(a, int) and ok(t))}
+    else:
+        bad = {} if ok(tile) else {"tile_size": tile}
+    if bad:
+        raise ValueError(
+            f"tile_size={tile!r} is invalid ({bad}); allowed: a positive int (tile length), "
+            "a float in (0, 1) (1 / number of tiles), or {axis: size}"
+        )
+
+
+class RuleMatcher:
+    """First-match-wins rule lookup that records which rules were used (thread-safe)."""
+
+    def __init__(self, rules: Sequence[QuantizationRule]) -> None:
+        rules = list(rules)
+        for i, r in enumerate(rules):
+            if not isinstance(r, QuantizationRule):
+                raise ValueError(f"rules[{i}]={r!r} is not a qflax.QuantizationRule")
+        self.rules = rules
+        self._used: set[int] = set()
+        self._lock = threading.Lock()
+
+    def match(self, path: str, op_name: str) -> QuantizationRule | None:
+        """The first rule matching ``(path, op_name)``, or None (the op stays float)."""
+        for i, rule in enumerate(self.rules):
+            if rule.matches(path, op_name):
+                with self._lock:
+                    self._used.add(i)
+                return rule
+        return None
+
+    def unused_rules(self) -> list[QuantizationRule]:
+        """Rules that have not matched any op so far."""
+        with self._lock:
+            return [r for i, r in enumerate(self.rules) if i not in self._used]
+
+    def warn_unused(self) -> None:
+        """Warns (``UserWarning``) about every rule that matched nothing."""
+        for rule in self.unused_rules():
+            warnings.warn(
+                f"quantization rule with module_path={rule.module_path!r} and op_names="
+                f"{rule.op_names} matched no op; check the path (module paths look like "
+                "'layers/0/mlp/Dense_0')",
+                UserWarning,
+                stacklevel=2,
+            )

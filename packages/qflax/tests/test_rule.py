@@ -1,0 +1,131 @@
+"""Quantization rules: validation, matching precedence, unused-rule reports, specs."""
+
+import subprocess
+import sys
+import warnings
+
+import pytest
+
+import qflax
+from qflax import QuantizationRule, RuleMatcher
+
+
+def test_public_api_is_pinned():
+    assert set(qflax.__all__) == {"OP_NAMES", "QuantizationRule", "RuleMatcher", "__version__"}
+
+
+def test_importing_qflax_does_not_import_downstream_packages():
+    code = (
+        "import sys, qflax; print(sorted(m for m in sys.modules if m.split('.')[0] in "
+        "{'qlitert', 'qtorchlike', 'tensorflow', 'torch'}))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_first_match_wins_and_paths_include_indices():
+    rules = [
+        QuantizationRule(module_path=r"layers/0/.*", weight_qtype="int8"),
+        QuantizationRule(module_path=r"layers/\d+/.*", weight_qtype="int4"),
+        QuantizationRule(module_path=".*", weight_qtype="nf4"),
+    ]
+    m = RuleMatcher(rules)
+    assert m.match("layers/0/mlp", "dot_general") is rules[0]
+    assert m.match("layers/12/mlp", "einsum") is rules[1]
+    assert m.match("head", "dot_general") is rules[2]
+    # fullmatch: a prefix is not enough.
+    assert RuleMatcher([rules[0]]).match("layers/0", "dot_general") is None
+    assert RuleMatcher([rules[0]]).match("xlayers/0/mlp", "dot_general") is None
+
+
+def test_op_names_filter_and_unmatched_ops_stay_float():
+    convs = QuantizationRule(op_names=("conv_general_dilated",), weight_qtype="int8")
+    m = RuleMatcher([convs])
+    assert m.match("encoder/Conv_0", "conv_general_dilated") is convs
+    assert m.match("encoder/Dense_0", "dot_general") is None
+    assert QuantizationRule(op_names="einsum").op_names == ("einsum",)
+
+
+def test_callable_module_path():
+    rule = QuantizationRule(module_path=lambda p: p.endswith("attn"), weight_qtype="int8")
+    m = RuleMatcher([rule])
+    assert m.match("block/attn", "einsum") is rule
+    assert m.match("block/mlp", "einsum") is None
+
+
+def test_unused_rule_report_catches_a_typo():
+    rules = [
+        QuantizationRule(module_path="decoder/.*", weight_qtype="int8"),
+        QuantizationRule(module_path="decodr/head", weight_qtype="int4"),  # typo
+    ]
+    m = RuleMatcher(rules)
+    m.match("decoder/layer", "dot_general")
+    assert m.unused_rules() == [rules[1]]
+    with pytest.warns(UserWarning, match=r"module_path='decodr/head'.*matched no op"):
+        m.warn_unused()
+    m2 = RuleMatcher(rules[:1])
+    m2.match("decoder/x", "dot")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        m2.warn_unused()
+
+
+def test_weight_and_activation_specs():
+    rule = QuantizationRule(weight_qtype="int4", act_qtype="int8", tile_size=32)
+    w = rule.weight_spec(ndim=2, contracting_axes=(0,))
+    assert w is not None
+    assert (w.channelwise_axes, w.tiled_axes, w.pack, w.pack_axis) == ((1,), ((0, 32),), True, 0)
+    assert w.scale_shape((128, 64)) == (4, 64)
+    conv = rule.weight_spec(ndim=4, contracting_axes=(0, 1, 2))  # HWIO kernel
+    assert conv is not None and conv.channelwise_axes == (3,)
+    frac = QuantizationRule(weight_qtype="int8", tile_size=0.25).weight_spec(2, (0,))
+    assert frac is not None and frac.scale_shape((128, 64)) == (4, 64)
+    explicit = QuantizationRule(weight_qtype="int8", tile_size={1: 16}).weight_spec(3, (1,))
+    assert explicit is not None and explicit.tiled_axes == ((1, 16),)
+    a = rule.act_spec(ndim=3)
+    assert a is not None and a.channelwise_axes == (0,) and a.scale_shape((2, 5, 64)) == (2, 1, 1)
+    assert QuantizationRule(weight_qtype="int8").act_spec(3) is None
+    assert QuantizationRule(act_qtype="int8").weight_spec(2, (0,)) is None
+    assert not rule.weight_spec(2, (0,)).pack or rule.weight_qtype == "int4"
+
+
+def test_a_tile_that_does_not_divide_fails_when_the_spec_meets_a_shape():
+    w = QuantizationRule(weight_qtype="int8", tile_size=48).weight_spec(2, (0,))
+    with pytest.raises(ValueError, match="tile 48 of axis 0 must divide its size 128"):
+        w.scale_shape((128, 64))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        (dict(module_path="layers/(\\d+"), r"module_path='layers/\(\\\\d\+' is not a valid regex"),
+        (dict(module_path=3), r"module_path=3 must be a regex string or a callable"),
+        (dict(op_names=("conv",)), r"\['conv'\] are not ops qflax intercepts; allowed:"),
+        (dict(weight_qtype="int9"), r"weight_qtype: qtype='int9' is not a known"),
+        (dict(act_qtype="fp9"), r"act_qtype: qtype='fp9' is not a known"),
+        (
+            dict(weight_calibration_method="absmx"),
+            r"weight_calibration_method: calibration='absmx'",
+        ),
+        (dict(tile_size=0), r"tile_size=0 is invalid"),
+        (dict(tile_size=1.5), r"tile_size=1.5 is invalid"),
+        (dict(tile_size={0: -2}), r"tile_size=\{0: -2\} is invalid"),
+        (dict(act_static_scale=True), r"act_static_scale=True needs act_qtype"),
+    ],
+)
+def test_bad_rules_raise_clear_errors(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        QuantizationRule(**kwargs)
+
+
+def test_matcher_refuses_non_rules():
+    with pytest.raises(ValueError, match=r"rules\[1\]=.* is not a qflax.QuantizationRule"):
+        RuleMatcher([QuantizationRule(), {"module_path": ".*"}])  # type: ignore[list-item]
+
+
+def test_rules_are_hashable_and_frozen():
+    a = QuantizationRule(module_path="x", weight_qtype="int8", tile_size={0: 32})
+    b = QuantizationRule(module_path="x", weight_qtype="int8", tile_size={0: 32})
+    assert a == b and hash(a) == hash(b)
+    with pytest.raises(AttributeError):
+        a.weight_qtype = "int4"  # type: ignore[misc]
