@@ -11,7 +11,13 @@ from qflax import QuantizationRule, RuleMatcher
 
 
 def test_public_api_is_pinned():
-    assert set(qflax.__all__) == {"OP_NAMES", "QuantizationRule", "RuleMatcher", "__version__"}
+    assert set(qflax.__all__) == {
+        "OP_NAMES",
+        "QuantizationRule",
+        "RuleMatcher",
+        "__version__",
+        "interception",
+    }
 
 
 def test_importing_qflax_does_not_import_downstream_packages():

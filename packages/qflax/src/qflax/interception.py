@@ -1,0 +1,158 @@
+"""Interception of the JAX ops a model calls, during one call, on one thread.
+
+The contract::
+
+    with intercept(handler):
+        out = model_call(...)
+
+Inside the block, on the calling thread only, every call of ``lax.dot_general``,
+``jnp.einsum``, ``jnp.dot``, ``jnp.matmul`` (and so the ``@`` operator),
+``lax.conv_general_dilated`` and ``lax.ragged_dot`` becomes
+``handler(op_name, original, args, kwargs)``, whose return value is the op's
+result (``original(*args, **kwargs)`` runs the unmodified op). Ops called while a
+handler runs (e.g. the ``dot_general`` inside ``einsum``, or qcore's own ops) are
+not intercepted again, so each user-level op is seen once, under its own name.
+Other threads, and code outside the block, run the unmodified ops.
+
+How (and why it does not depend on JAX's trace cache): each op function gets its
+code object replaced, once, by a trampoline with the same signature that consults
+a thread-local handler, so every alias of the function (``nn.Dense``'s default
+``dot_general``, ``jax.lax.dot_general``, ``jnp.einsum``'s internal reference)
+sees it. ``jnp.matmul``, ``jnp.dot`` and ``einsum``'s inner ``dot_general`` run
+inside jitted wrappers whose cached traces would skip any Python-level hook, so
+the block runs under ``jax.disable_jit()``: the wrappers' Python bodies run every
+time, while an outer ``jax.jit`` around the model call still compiles the whole
+model into one computation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import threading
+import types
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax._src.lax import convolution as _convolution
+from jax._src.lax import lax as _lax
+
+Handler = Callable[[str, Callable[..., Any], tuple, dict], Any]
+
+_DISPATCH = "__qflax_intercept__"
+_state = threading.local()
+_install_lock = threading.Lock()
+_originals: list[tuple[str, Callable[..., Any]]] = []
+
+
+def _targets() -> list[tuple[str, types.FunctionType]]:
+    """(op name, Python function) pairs whose code is replaced."""
+
+    def python_function(f: Any) -> types.FunctionType:
+        f = getattr(f, "__wrapped__", f)  # jnp.matmul / jnp.dot are jit wrappers
+        if not isinstance(f, types.FunctionType):
+            raise TypeError(f"cannot intercept {f!r}: not a Python function")
+        return f
+
+    return [
+        ("dot_general", python_function(_lax.dot_general)),
+        ("ragged_dot", python_function(_lax.ragged_dot)),
+        ("conv_general_dilated", python_function(_convolution.conv_general_dilated)),
+        ("einsum", python_function(jnp.einsum)),
+        ("matmul", python_function(jnp.matmul)),
+        ("dot", python_function(jnp.dot)),
+    ]
+
+
+def _trampoline_code(f: types.FunctionType, index: int) -> types.CodeType:
+    """A code object with ``f``'s signature that forwards to the dispatcher."""
+    sig = inspect.signature(f)
+    params, positional, star, keywords = [], [], None, []
+    seen_kw_only = False
+    for p in sig.parameters.values():
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
+            params.append(p.name)
+            positional.append(p.name)
+        elif p.kind is p.VAR_POSITIONAL:
+            params.append(f"*{p.name}")
+            star = p.name
+            seen_kw_only = True
+        elif p.kind is p.KEYWORD_ONLY:
+            if not seen_kw_only:
+                params.append("*")
+                seen_kw_only = True
+            params.append(p.name)
+            keywords.append(p.name)
+        else:
+            raise TypeError(f"cannot intercept {f.__qualname__}: it takes **{p.name}")
+    # Re-insert '/' after the positional-only parameters.
+    n_pos_only = sum(p.kind is p.POSITIONAL_ONLY for p in sig.parameters.values())
+    if n_pos_only:
+        params.insert(n_pos_only, "/")
+    args = "(" + "".join(f"{n}, " for n in positional) + ")"
+    if star:
+        args = f"({''.join(f'{n}, ' for n in positional)}*{star})"
+    kwargs = "{" + ", ".join(f"{k!r}: {k}" for k in keywords) + "}"
+    body = f"    return {_DISPATCH}({index}, {args}, {kwargs})\n"
+    src = f"def {f.__name__}({', '.join(params)}):\n{body}"
+    namespace: dict[str, Any] = {}
+    exec(compile(src, f"<qflax interception of {f.__qualname__}>", "exec"), {}, namespace)  # noqa: S102
+    code = namespace[f.__name__].__code__
+    if code.co_argcount != f.__code__.co_argcount or code.co_kwonlyargcount != (
+        f.__code__.co_kwonlyargcount
+    ):
+        raise TypeError(f"cannot intercept {f.__qualname__}: signature mismatch")
+    return code
+
+
+def _dispatch(index: int, args: tuple, kwargs: dict) -> Any:
+    name, original = _originals[index]
+    handler = getattr(_state, "handler", None)
+    if handler is None or getattr(_state, "busy", False):
+        return original(*args, **kwargs)
+    _state.busy = True
+    try:
+        return handler(name, original, args, kwargs)
+    finally:
+        _state.busy = False
+
+
+def install() -> None:
+    """Replaces the op functions' code with trampolines (idempotent, thread-safe).
+
+    Until a thread enters :func:`intercept`, the trampolines call the original
+    code, so installing changes no result.
+    """
+    with _install_lock:
+        if _originals:
+            return
+        targets = _targets()
+        for index, (name, f) in enumerate(targets):
+            copy = types.FunctionType(
+                f.__code__, f.__globals__, f.__name__, f.__defaults__, f.__closure__
+            )
+            copy.__kwdefaults__ = f.__kwdefaults__
+            copy.__dict__.update(f.__dict__)
+            _originals.append((name, copy))
+            f.__globals__[_DISPATCH] = _dispatch
+            f.__code__ = _trampoline_code(f, index)
+
+
+@contextlib.contextmanager
+def intercept(handler: Handler) -> Iterator[None]:
+    """Routes this thread's op calls to ``handler`` inside the block (see the module doc).
+
+    Raises:
+        RuntimeError: If this thread is already inside an ``intercept`` block.
+    """
+    install()
+    if getattr(_state, "handler", None) is not None:
+        raise RuntimeError("intercept() blocks cannot be nested on one thread")
+    _state.handler, _state.busy = handler, False
+    try:
+        with jax.disable_jit():
+            yield
+    finally:
+        _state.handler, _state.busy = None, False
