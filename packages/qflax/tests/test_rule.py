@@ -17,6 +17,7 @@ def test_public_api_is_pinned():
         "RuleMatcher",
         "__version__",
         "interception",
+        "module_path",
     }
 
 

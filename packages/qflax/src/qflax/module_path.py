@@ -1,0 +1,78 @@
+"""Finding the module that called an intercepted op, as a ``/``-joined path.
+
+Both Flax APIs are served by one mechanism: walk the Python call stack from the
+op outwards and take the first frame whose ``self`` is a module with a known
+path. Linen modules know their own path (``module.path``, e.g.
+``("encoder", "layers_0")``); NNX modules do not, so :class:`NnxPaths` maps each
+module object of a model graph to its path first (list indices included, e.g.
+``layers/0/linear``). The stack is walked only while tracing, so the cost is paid
+once per compiled model, not per step.
+
+Example:
+    >>> import flax.linen as nn, jax, jax.numpy as jnp
+    >>> from qflax import interception, module_path
+    >>> class Net(nn.Module):
+    ...     @nn.compact
+    ...     def __call__(self, x):
+    ...         return nn.Dense(2, name="head")(x)
+    >>> seen = []
+    >>> def handler(name, original, args, kwargs):
+    ...     seen.append((name, module_path.calling_module_path(module_path.linen_path)))
+    ...     return original(*args, **kwargs)
+    >>> params = Net().init(jax.random.key(0), jnp.ones((1, 3)))
+    >>> with interception.intercept(handler):
+    ...     _ = Net().apply(params, jnp.ones((1, 3)))
+    >>> seen
+    [('dot_general', 'head')]
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+
+import flax.linen as nn
+from flax import nnx
+
+Resolver = Callable[[object], str | None]
+
+
+def linen_path(obj: object) -> str | None:
+    """The path of a bound Linen module (``""`` for the root), or None for anything else."""
+    if isinstance(obj, nn.Module) and obj.scope is not None:
+        return "/".join(str(p) for p in obj.path)
+    return None
+
+
+class NnxPaths:
+    """Maps the module objects of an NNX model to their ``/``-joined paths."""
+
+    def __init__(self, model: nnx.Module) -> None:
+        if not isinstance(model, nnx.Module):
+            raise ValueError(f"model={type(model).__name__} is not an nnx.Module")
+        self._paths: dict[int, str] = {}
+        for path, node in nnx.iter_graph(model):
+            if isinstance(node, nnx.Module) and id(node) not in self._paths:
+                self._paths[id(node)] = "/".join(str(p) for p in path)
+
+    def __call__(self, obj: object) -> str | None:
+        """The path of ``obj`` if it is a module of the model, else None."""
+        return self._paths.get(id(obj)) if isinstance(obj, nnx.Module) else None
+
+
+def calling_module_path(resolver: Resolver, *, skip: int = 1) -> str | None:
+    """The path of the innermost module on the call stack, or None if there is none.
+
+    Args:
+        resolver: ``obj -> path | None`` (:func:`linen_path` or an :class:`NnxPaths`).
+        skip: Frames to skip (this function's caller is frame 1).
+    """
+    frame = sys._getframe(skip)  # noqa: SLF001 - the stack is the only record of the caller
+    while frame is not None:
+        obj = frame.f_locals.get("self")
+        if obj is not None:
+            path = resolver(obj)
+            if path is not None:
+                return path
+        frame = frame.f_back
+    return None
