@@ -124,3 +124,28 @@ def test_installing_changes_no_result():
         jnp.einsum("ij,jk->ik", a, b), lax.dot_general(a, b, (((1,), (0,)), ((), ())))
     )
     assert jnp.einsum.__name__ == "einsum"
+
+
+def test_eight_threads_intercept_their_own_models_concurrently():
+    # Each thread scales its own matmul results by its own factor; running them
+    # together must give what running them one by one gives.
+    def run(factor):
+        def handler(name, original, args, kwargs):
+            return original(*args, **kwargs) * factor
+
+        a = jnp.full((4, 8), float(factor))
+        with interception.intercept(handler):
+            return np.asarray(jax.jit(lambda a: a @ jnp.ones((8, 2)))(a))
+
+    sequential = [run(f) for f in range(1, 9)]
+    results = [None] * 8
+    threads = [
+        threading.Thread(target=lambda i=i: results.__setitem__(i, run(i + 1))) for i in range(8)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for got, want, f in zip(results, sequential, range(1, 9), strict=True):
+        np.testing.assert_array_equal(got, want)
+        np.testing.assert_array_equal(want, 8.0 * f * f)
