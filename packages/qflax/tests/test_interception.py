@@ -149,3 +149,21 @@ def test_eight_threads_intercept_their_own_models_concurrently():
     for got, want, f in zip(results, sequential, range(1, 9), strict=True):
         np.testing.assert_array_equal(got, want)
         np.testing.assert_array_equal(want, 8.0 * f * f)
+
+
+def test_ops_inside_pallas_kernels_are_not_intercepted():
+    from jax.experimental import pallas as pl
+
+    def kernel(x_ref, w_ref, o_ref):
+        o_ref[...] = jnp.dot(x_ref[...], w_ref[...])
+
+    def f(x, w):
+        out = jax.ShapeDtypeStruct((8, 8), jnp.float32)
+        return pl.pallas_call(kernel, out_shape=out, interpret=True)(x, w)
+
+    seen, handler = _recording()
+    x = jnp.ones((8, 8))
+    with interception.intercept(handler):
+        y = f(x, x) + x @ x
+    assert seen == ["matmul"]  # the model's x @ x, not the kernel's jnp.dot
+    np.testing.assert_array_equal(y, 16.0)

@@ -12,7 +12,8 @@ Inside the block, on the calling thread only, every call of ``lax.dot_general``,
 result (``original(*args, **kwargs)`` runs the unmodified op). Ops called while a
 handler runs (e.g. the ``dot_general`` inside ``einsum``, or qcore's own ops) are
 not intercepted again, so each user-level op is seen once, under its own name.
-Other threads, and code outside the block, run the unmodified ops.
+Other threads, code outside the block, and Pallas kernels (traced inside
+``pallas_call``) run the unmodified ops.
 
 How (and why it does not depend on JAX's trace cache): each op function gets its
 code object replaced, once, by a trampoline with the same signature that consults
@@ -28,6 +29,7 @@ model into one computation.
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import threading
 import types
@@ -56,7 +58,7 @@ def _targets() -> list[tuple[str, types.FunctionType]]:
             raise TypeError(f"cannot intercept {f!r}: not a Python function")
         return f
 
-    return [
+    targets = [
         ("dot_general", python_function(_lax.dot_general)),
         ("ragged_dot", python_function(_lax.ragged_dot)),
         ("conv_general_dilated", python_function(_convolution.conv_general_dilated)),
@@ -64,6 +66,35 @@ def _targets() -> list[tuple[str, types.FunctionType]]:
         ("matmul", python_function(jnp.matmul)),
         ("dot", python_function(jnp.dot)),
     ]
+    try:
+        from jax._src.pallas import pallas_call as _pallas  # noqa: PLC0415 - optional
+    except ImportError:  # pragma: no cover - Pallas ships with jax 0.10
+        return targets
+    return [*targets, (_PALLAS, python_function(_pallas.pallas_call))]
+
+
+# pallas_call is not an op: it is patched so that user kernels are traced with
+# interception suspended (a kernel's jnp.dot must stay the kernel's own).
+_PALLAS = "pallas_call"
+
+
+@contextlib.contextmanager
+def _suspended() -> Iterator[None]:
+    previous = getattr(_state, "busy", False)
+    _state.busy = True
+    try:
+        yield
+    finally:
+        _state.busy = previous
+
+
+def _guard_kernel(kernel: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(kernel)
+    def traced_without_interception(*args: Any, **kwargs: Any) -> Any:
+        with _suspended():
+            return kernel(*args, **kwargs)
+
+    return traced_without_interception
 
 
 def _trampoline_code(f: types.FunctionType, index: int) -> types.CodeType:
@@ -110,6 +141,8 @@ def _trampoline_code(f: types.FunctionType, index: int) -> types.CodeType:
 def _dispatch(index: int, args: tuple, kwargs: dict) -> Any:
     name, original = _originals[index]
     handler = getattr(_state, "handler", None)
+    if name == _PALLAS and handler is not None:
+        return original(_guard_kernel(args[0]), *args[1:], **kwargs)
     if handler is None or getattr(_state, "busy", False):
         return original(*args, **kwargs)
     _state.busy = True
