@@ -128,7 +128,7 @@ def _integer_cases():
         yield pytest.param(*case, id=name)
 
 
-@pytest.mark.parametrize(("lshape", "rshape", "dims", "hl", "hr", "tol"), _integer_cases())
+@pytest.mark.parametrize(("lshape", "rshape", "dims", "hl", "hr", "tol"), list(_integer_cases()))
 def test_integer_path_equals_dequantize_then_highest_float(lshape, rshape, dims, hl, hr, tol):
     def run(x, w):
         a, b = quantize(x, hl), quantize(w, hr)
@@ -183,7 +183,7 @@ FLOAT_PATH = {
 }
 
 
-@pytest.mark.parametrize("how", FLOAT_PATH.values(), ids=FLOAT_PATH.keys())
+@pytest.mark.parametrize("how", list(FLOAT_PATH.values()), ids=list(FLOAT_PATH))
 def test_float_path_qtypes_equal_dequantize_then_highest_float(how):
     def run(x, w):
         q = quantize(w, how)
@@ -241,7 +241,7 @@ ACCURACY = {
 
 
 @pytest.mark.parametrize("tile", [None, 128], ids=["per-channel", "tile128"])
-@pytest.mark.parametrize(("wbits", "abits", "bound"), ACCURACY.values(), ids=ACCURACY.keys())
+@pytest.mark.parametrize(("wbits", "abits", "bound"), list(ACCURACY.values()), ids=list(ACCURACY))
 def test_contraction_error_on_normal_data(normal_matmul, wbits, abits, bound, tile):
     x, w, ref = normal_matmul
     hw = _accuracy_spec(wbits, 1, 0, tile)  # weight: per output channel, tiles along K
@@ -332,7 +332,7 @@ def _operand(x, kind, block_axis):
 
 # The dtype is decided while tracing, so eval_shape checks it without compiling
 # (as Qwix's dtype tests do); values are covered by the parity tests.
-@pytest.mark.parametrize(("op", "row"), _dtype_params())
+@pytest.mark.parametrize(("op", "row"), list(_dtype_params()))
 def test_result_dtype(op, row):
     call, lshape, rshape, lblock, rblock = OPS[op]
     ldt, lkind, rdt, rkind, preferred, expected = DTYPE_TABLE[row]
