@@ -93,7 +93,8 @@ def test_weight_and_activation_specs():
     assert a is not None and a.channelwise_axes == (0,) and a.scale_shape((2, 5, 64)) == (2, 1, 1)
     assert QuantizationRule(weight_qtype="int8").act_spec(3) is None
     assert QuantizationRule(act_qtype="int8").weight_spec(2, (0,)) is None
-    assert not rule.weight_spec(2, (0,)).pack or rule.weight_qtype == "int4"
+    int8 = QuantizationRule(weight_qtype="int8").weight_spec(2, (0,))
+    assert int8 is not None and not int8.pack  # only sub-byte weights are packed
 
 
 def test_a_tile_that_does_not_divide_fails_when_the_spec_meets_a_shape():

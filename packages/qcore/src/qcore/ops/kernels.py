@@ -84,6 +84,25 @@ def _pick_block(total, target):
     return b
 
 
+def _scan_k(x, w_kn, cdt, bk):
+    """``x (M, K) @ w_kn (K, N)`` as a scan over K blocks of ``bk`` rows, f32 accumulation.
+
+    Each block of the weight is converted to ``cdt`` inside the scan, so no full-size
+    converted copy of the weight exists.
+    """
+    m, k = x.shape
+    n = w_kn.shape[1]
+    nb = k // bk
+    xb = x.reshape(m, nb, bk).transpose(1, 0, 2).astype(cdt)
+
+    def body(acc, xw):
+        xi, wi = xw
+        return acc + lax.dot(xi, wi.astype(cdt), preferred_element_type=f32), None
+
+    acc, _ = lax.scan(body, jnp.zeros((m, n), f32), (xb, w_kn.reshape(nb, bk, n)))
+    return acc
+
+
 def _scan_rows(fn, blocks):
     """lax.scan over the leading axis of `blocks` (a pytree) collecting fn(block) outputs."""
     _, ys = lax.scan(lambda c, b: (c, fn(b)), 0, blocks)
@@ -153,15 +172,7 @@ def int8_weight_only(
     # scan over K blocks, accumulate in f32
     cdt = bf16 if (precision == "bf16" and m > 1) else f32  # M=1 dots must stay f32 (see top)
     bk = block or _pick_block(k, 512 if m == 1 else 256)
-    nb = k // bk
-    xb = x.reshape(m, nb, bk).transpose(1, 0, 2).astype(cdt)
-
-    def body(acc, xw):
-        xi, wi = xw
-        return acc + lax.dot(xi, wi.astype(cdt), preferred_element_type=f32), None
-
-    acc, _ = lax.scan(body, jnp.zeros((m, n), f32), (xb, w_codes.reshape(nb, bk, n)))
-    return acc * w_scale  # scale applied on the output only
+    return _scan_k(x, w_codes, cdt, bk) * w_scale  # scale applied on the output only
 
 
 # ----------------------------------------------------------------------------------------------
@@ -356,18 +367,8 @@ def w8a8(x_codes, x_scale, w_codes, w_scale, *, layout="nk", block=None):
         xp = jnp.concatenate([x_codes, jnp.zeros((1, k), x_codes.dtype)], 0) if m == 1 else x_codes
         acc = lax.dot_general(w_codes, xp, _DN_LAST, preferred_element_type=i32)  # (N, M')
         return acc[:, :m].T.astype(f32) * x_scale * w_scale
-    n = w_codes.shape[1]
     cdt = f32 if m == 1 else bf16
-    bk = block or _pick_block(k, 512)
-    nb = k // bk
-    xb = x_codes.reshape(m, nb, bk).transpose(1, 0, 2).astype(cdt)
-
-    def body(acc, xw):
-        xi, wi = xw
-        return acc + lax.dot(xi, wi.astype(cdt), preferred_element_type=f32), None
-
-    acc, _ = lax.scan(body, jnp.zeros((m, n), f32), (xb, w_codes.reshape(nb, bk, n)))
-    return acc * x_scale * w_scale
+    return _scan_k(x_codes, w_codes, cdt, block or _pick_block(k, 512)) * x_scale * w_scale
 
 
 # ----------------------------------------------------------------------------------------------
