@@ -97,3 +97,20 @@ def test_kernel_path_keeps_dtype_rules_and_jit_equality():
     assert qcore.dot_general(x, q, dims, preferred_element_type=jnp.bfloat16).dtype == jnp.bfloat16
     f = jax.jit(lambda x, q: qcore.dot_general(x, q, dims))
     np.testing.assert_array_equal(f(x, q), qcore.dot_general(x, q, dims))
+
+
+@pytest.mark.parametrize("m", [1, 3])
+@pytest.mark.parametrize(("k", "tile"), [(8, None), (8, 4), (12, 6), (6, 3), (40, 10)])
+def test_packed_int4_with_short_or_odd_contractions_is_exact(k, tile, m):
+    # Small K and tiles of any even or odd length: the kernels' blocks must divide
+    # K / 2 and each tile's half (an odd tile goes to the general path).
+    w = jax.random.normal(jax.random.key(k), (k, 5))
+    tiles = {} if tile is None else {0: tile}
+    how = qcore.HowToQuantize(
+        qtype="int4", channelwise_axes=(1,), tiled_axes=tiles, pack=True, pack_axis=0
+    )
+    q = qcore.quantize(w, how)
+    x = jax.random.normal(jax.random.key(m), (m, k))
+    y = qcore.dot_general(x, q, (((1,), (0,)), ((), ())))
+    ref = np.asarray(x, np.float64) @ np.asarray(qcore.dequantize(q), np.float64)
+    assert float(np.max(np.abs(y - ref)) / np.max(np.abs(ref))) < 1e-6

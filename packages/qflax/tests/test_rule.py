@@ -13,11 +13,21 @@ from qflax import QuantizationRule, RuleMatcher
 def test_public_api_is_pinned():
     assert set(qflax.__all__) == {
         "OP_NAMES",
+        "ActScale",
+        "Provider",
+        "PtqProvider",
+        "QtProvider",
+        "QuantStat",
         "QuantizationRule",
+        "QuantizedLinen",
+        "QuantizedParam",
         "RuleMatcher",
         "__version__",
         "interception",
         "module_path",
+        "quantize_model",
+        "quantize_params",
+        "stats",
     }
 
 

@@ -1,22 +1,38 @@
 """qflax: quantize Flax Linen and NNX models with one call, on qcore's numerics.
 
-Work in progress: this version provides quantization rules and their matching
-(:mod:`qflax.rule`), the interception of the JAX ops a model calls
-(:mod:`qflax.interception`) and the calling module's path (:mod:`qflax.module_path`);
-providers (PTQ, QAT), ``quantize_model`` and
-``quantize_params`` follow.
+Rules (:class:`QuantizationRule`) select ops by module path; a provider
+(:class:`PtqProvider`, :class:`QtProvider`) says what happens to them;
+:func:`quantize_model` applies it to a Linen or NNX model and
+:func:`quantize_params` quantizes float checkpoints without running the model.
+See the docs page "Quantize a Flax model".
 """
 
-from qflax import interception, module_path
-from qflax.rule import OP_NAMES, QuantizationRule, RuleMatcher
+from qflax import interception, module_path, stats
+from qflax.interception import OP_NAMES
+from qflax.model import QuantizedLinen, quantize_model
+from qflax.params import quantize_params
+from qflax.provider import Provider, PtqProvider, QtProvider
+from qflax.qparam import ActScale, QuantizedParam
+from qflax.rule import QuantizationRule, RuleMatcher
+from qflax.stats import QuantStat
 
 __version__ = "0.1.0"
 
 __all__ = [
     "OP_NAMES",
+    "ActScale",
+    "Provider",
+    "PtqProvider",
+    "QtProvider",
+    "QuantStat",
     "QuantizationRule",
+    "QuantizedLinen",
+    "QuantizedParam",
     "RuleMatcher",
     "__version__",
     "interception",
     "module_path",
+    "quantize_model",
+    "quantize_params",
+    "stats",
 ]

@@ -15,6 +15,21 @@ not intercepted again, so each user-level op is seen once, under its own name.
 Other threads, code outside the block, and Pallas kernels (traced inside
 ``pallas_call``) run the unmodified ops.
 
+A second, optional handler sees how values reach the ops::
+
+    with intercept(handler, values=value_handler):
+        ...
+
+``value_handler(name, original, args, kwargs)`` receives, under the names in
+:data:`VALUE_NAMES`, the reads and writes of model variables (``linen_get_variable`` /
+``linen_put_variable``: ``flax.core.scope.Scope.get_variable`` / ``put_variable``;
+``nnx_get_value``:
+``nnx.Variable.get_value``) and the transforms a module applies to a weight
+before the op (``convert_element_type``, ``reshape``, ``transpose``), and returns
+their result. Providers use it to hand modules a stand-in for a quantized weight
+and to recognise that stand-in (cast or reshaped) when it reaches an op. Value
+calls made inside either handler are not reported.
+
 How (and why it does not depend on JAX's trace cache): each op function gets its
 code object replaced, once, by a trampoline with the same signature that consults
 a thread-local handler, so every alias of the function (``nn.Dense``'s default
@@ -38,10 +53,29 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
+from flax.core import scope as _scope
 from jax._src.lax import convolution as _convolution
 from jax._src.lax import lax as _lax
 
 Handler = Callable[[str, Callable[..., Any], tuple, dict], Any]
+
+OP_NAMES: tuple[str, ...] = (
+    "dot_general",
+    "einsum",
+    "dot",
+    "matmul",
+    "conv_general_dilated",
+    "ragged_dot",
+)
+VALUE_NAMES: tuple[str, ...] = (
+    "linen_get_variable",
+    "linen_put_variable",
+    "nnx_get_value",
+    "convert_element_type",
+    "reshape",
+    "transpose",
+)
 
 _DISPATCH = "__qflax_intercept__"
 _state = threading.local()
@@ -65,6 +99,12 @@ def _targets() -> list[tuple[str, types.FunctionType]]:
         ("einsum", python_function(jnp.einsum)),
         ("matmul", python_function(jnp.matmul)),
         ("dot", python_function(jnp.dot)),
+        ("linen_get_variable", python_function(_scope.Scope.get_variable)),
+        ("linen_put_variable", python_function(_scope.Scope.put_variable)),
+        ("nnx_get_value", python_function(nnx.Variable.get_value)),
+        ("convert_element_type", python_function(_lax._convert_element_type)),
+        ("reshape", python_function(_lax.reshape)),
+        ("transpose", python_function(_lax.transpose)),
     ]
     try:
         from jax._src.pallas import pallas_call as _pallas  # noqa: PLC0415 - optional
@@ -76,6 +116,7 @@ def _targets() -> list[tuple[str, types.FunctionType]]:
 # pallas_call is not an op: it is patched so that user kernels are traced with
 # interception suspended (a kernel's jnp.dot must stay the kernel's own).
 _PALLAS = "pallas_call"
+_VALUES = frozenset(VALUE_NAMES)
 
 
 @contextlib.contextmanager
@@ -141,13 +182,20 @@ def _trampoline_code(f: types.FunctionType, index: int) -> types.CodeType:
 def _dispatch(index: int, args: tuple, kwargs: dict) -> Any:
     name, original = _originals[index]
     handler = getattr(_state, "handler", None)
-    if name == _PALLAS and handler is not None:
-        return original(_guard_kernel(args[0]), *args[1:], **kwargs)
     if handler is None or getattr(_state, "busy", False):
         return original(*args, **kwargs)
+    if name == _PALLAS:
+        return original(_guard_kernel(args[0]), *args[1:], **kwargs)
+    if name in _VALUES:
+        handler = _state.values
+        if handler is None:
+            return original(*args, **kwargs)
     _state.busy = True
     try:
-        return handler(name, original, args, kwargs)
+        # Handlers run with jit enabled: their jitted helpers (qcore's ops) then
+        # compile as one computation each, exactly as they do outside the block.
+        with jax.disable_jit(False):
+            return handler(name, original, args, kwargs)
     finally:
         _state.busy = False
 
@@ -174,8 +222,13 @@ def install() -> None:
 
 
 @contextlib.contextmanager
-def intercept(handler: Handler) -> Iterator[None]:
+def intercept(handler: Handler, *, values: Handler | None = None) -> Iterator[None]:
     """Routes this thread's op calls to ``handler`` inside the block (see the module doc).
+
+    Args:
+        handler: Called for every op in :data:`OP_NAMES`.
+        values: Called for every value read or transform in :data:`VALUE_NAMES`;
+            None lets them run unmodified.
 
     Raises:
         RuntimeError: If this thread is already inside an ``intercept`` block.
@@ -183,9 +236,9 @@ def intercept(handler: Handler) -> Iterator[None]:
     install()
     if getattr(_state, "handler", None) is not None:
         raise RuntimeError("intercept() blocks cannot be nested on one thread")
-    _state.handler, _state.busy = handler, False
+    _state.handler, _state.values, _state.busy = handler, values, False
     try:
         with jax.disable_jit():
             yield
     finally:
-        _state.handler, _state.busy = None, False
+        _state.handler, _state.values, _state.busy = None, None, False

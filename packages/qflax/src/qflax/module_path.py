@@ -60,11 +60,12 @@ class NnxPaths:
         return self._paths.get(id(obj)) if isinstance(obj, nnx.Module) else None
 
 
-def calling_module_path(resolver: Resolver, *, skip: int = 1) -> str | None:
-    """The path of the innermost module on the call stack, or None if there is none.
+def calling_module(resolver: Resolver, *, skip: int = 1) -> tuple[object, str] | None:
+    """The innermost module on the call stack and its path, or None if there is none.
 
     Args:
-        resolver: ``obj -> path | None`` (:func:`linen_path` or an :class:`NnxPaths`).
+        resolver: ``obj -> path | None`` (:func:`linen_path`, :func:`nnx_path` or
+            an :class:`NnxPaths`).
         skip: Frames to skip (this function's caller is frame 1).
     """
     frame = sys._getframe(skip)  # noqa: SLF001 - the stack is the only record of the caller
@@ -73,6 +74,38 @@ def calling_module_path(resolver: Resolver, *, skip: int = 1) -> str | None:
         if obj is not None:
             path = resolver(obj)
             if path is not None:
-                return path
+                return obj, path
         frame = frame.f_back
     return None
+
+
+def calling_module_path(resolver: Resolver, *, skip: int = 1) -> str | None:
+    """The path of the innermost module on the call stack, or None if there is none.
+
+    Args:
+        resolver: As in :func:`calling_module`.
+        skip: Frames to skip (this function's caller is frame 1).
+    """
+    found = calling_module(resolver, skip=skip + 1)
+    return None if found is None else found[1]
+
+
+PATH_ATTRIBUTE = "_qflax_path"
+
+
+def label_nnx(model: nnx.Module) -> None:
+    """Stores each module's path in the module (attribute ``_qflax_path``).
+
+    The path is static data of the graph, so it survives ``nnx.split`` /
+    ``nnx.merge`` and reaches the fresh module objects that ``nnx.jit``,
+    ``nnx.scan`` and ``nnx.vmap`` build, where :class:`NnxPaths` (object
+    identities) cannot see. A module reachable by several paths keeps the first.
+    """
+    for path, node in nnx.iter_graph(model):
+        if isinstance(node, nnx.Module) and not hasattr(node, PATH_ATTRIBUTE):
+            setattr(node, PATH_ATTRIBUTE, "/".join(str(p) for p in path))
+
+
+def nnx_path(obj: object) -> str | None:
+    """The path :func:`label_nnx` stored in an NNX module, or None."""
+    return getattr(obj, PATH_ATTRIBUTE, None) if isinstance(obj, nnx.Module) else None

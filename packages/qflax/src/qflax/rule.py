@@ -41,14 +41,8 @@ from typing import Any, cast
 import qcore
 from qcore import HowToQuantize
 
-OP_NAMES: tuple[str, ...] = (
-    "dot_general",
-    "einsum",
-    "dot",
-    "matmul",
-    "conv_general_dilated",
-    "ragged_dot",
-)
+from qflax.interception import OP_NAMES
+
 
 TileSize = int | float | Mapping[int, int | float] | None
 
@@ -151,11 +145,19 @@ class QuantizationRule:
             pack_axis=contracting[0] if contracting else -1,
         )
 
-    def act_spec(self, ndim: int) -> HowToQuantize | None:
-        """The qcore spec of an activation of rank ``ndim`` (one scale per batch index)."""
+    def act_spec(self, ndim: int, contracting_axes: Sequence[int] = ()) -> HowToQuantize | None:
+        """The qcore spec of an activation of rank ``ndim`` (one scale per batch index).
+
+        Batch axes that the op contracts (e.g. ``"bi,bj->ij"``) share one scale.
+        """
         if self.act_qtype is None:
             return None
-        batch = tuple(a % ndim for a in self.act_batch_axes if -ndim <= a < ndim)
+        contracting = {a % ndim for a in contracting_axes}
+        batch = tuple(
+            a % ndim
+            for a in self.act_batch_axes
+            if -ndim <= a < ndim and a % ndim not in contracting
+        )
         return HowToQuantize(
             qtype=self.act_qtype,
             channelwise_axes=batch,

@@ -36,6 +36,8 @@ Weights: "nk" layout = (N, K) codes (recommended); "kn" = (K, N) codes (fallback
 Scales: per output column, shape (1, N); int4 sub-channel scales (K // group, N).
 """
 
+import math
+
 import jax.numpy as jnp
 from jax import lax
 
@@ -220,7 +222,9 @@ def int4_packed_weight_only(
     x = x.astype(f32)
     if layout == "kn":
         if m == 1:
-            return _int4_kn_m1(x, w_packed, w_scale, group_size, block or 8)
+            # bk packed rows per partial sum must divide K/2 and each group's K/2.
+            span = k // 2 if group_size is None else math.gcd(k // 2, group_size // 2)
+            return _int4_kn_m1(x, w_packed, w_scale, group_size, block or _pick_block(span, 8))
         return _int4_kn(x, w_packed, w_scale, group_size, precision, block)
     n = w_packed.shape[0]
     grouped = group_size is not None and w_scale.shape[0] > 1
@@ -311,9 +315,10 @@ def _int4_kn(x, w_packed, w_scale, group_size, precision, block):
     n = w_packed.shape[1]
     grouped = group_size is not None and w_scale.shape[0] > 1
     cdt = bf16 if (precision == "bf16" and m > 1) else f32
-    hb = (block or _pick_block(k, 512 if m == 1 else 256)) // 2  # packed rows per block
-    if grouped:
-        hb = min(hb, (k // w_scale.shape[0]) // 2)  # one scale row per block
+    # Packed rows per block: divides K / 2 and, with group scales, each group's half
+    # (one scale row per block).
+    span = math.gcd(k // 2, (k // w_scale.shape[0]) // 2) if grouped else k // 2
+    hb = block // 2 if block else _pick_block(span, 256 if m == 1 else 128)
     nb = (k // 2) // hb
     xe = x[:, 0::2].reshape(m, nb, hb).transpose(1, 0, 2).astype(cdt)
     xo = x[:, 1::2].reshape(m, nb, hb).transpose(1, 0, 2).astype(cdt)
@@ -406,8 +411,8 @@ def fast_dot_general(lhs, rhs, dims, precision):
     packing = rhs.packing
     packed4 = packing is not None and rhs.qtype.name == "int4"
     if packing is not None:
-        if not packed4 or packing.axis % 2 != k_axis or k % 2:
-            return None
+        if not packed4 or packing.axis % 2 != k_axis or k % 2 or (k // groups) % 2:
+            return None  # a byte's two codes must share a scale row
     elif not _signed_int8_codes(rhs) or groups != 1:
         return None
     lead = lhs.shape[:-1]

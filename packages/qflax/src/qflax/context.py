@@ -1,0 +1,178 @@
+"""The state of one quantized model call: where each weight operand came from.
+
+A :class:`CallContext` serves as the value handler of
+:func:`qflax.interception.intercept`. It sees every read of a model parameter
+(Linen ``Scope.get_variable`` / ``put_variable``, NNX ``Variable.get_value``) and
+records the value handed to the module under the parameter's path; a
+:class:`~qflax.qparam.QuantizedParam` is handed over as its stand-in (see
+:func:`~qflax.qparam.stand_in`). It follows the recorded values through casts,
+reshapes and transposes, so when an op receives one of them,
+:meth:`CallContext.source` names the parameter and the layout change. Values are
+tracked by identity and kept alive until the call ends, so an id is never reused.
+
+It also names the activation quantization sites of each module (``dot_general0``,
+``einsum1``, ... in call order per module object) and reads and writes the
+variables that belong to them (static scales, statistics).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Callable
+from typing import Any
+
+import flax.linen as nn
+import jax
+from flax import nnx
+
+from qflax import module_path
+from qflax.qparam import QuantizedParam, Transform, stand_in
+
+
+class Mode(enum.Enum):
+    """What a call may do with float parameters that rules quantize."""
+
+    APPLY = "apply"  # params are read-only: a float weight where a quantized one is due raises
+    INIT = "init"  # Linen init: create quantized params and empty statistics
+    QUANTIZE = "quantize"  # Linen apply with mutable params: quantize float params in place
+    DISCOVER = "discover"  # NNX: record recipes and sites (abstract run), write nothing
+
+
+@dataclasses.dataclass(frozen=True)
+class Source:
+    """A model parameter as an op received it.
+
+    Attributes:
+        path: The parameter's ``/``-joined path (module path + name).
+        value: The stored value (unboxed): a float array or a QuantizedParam.
+        holder: The Linen scope or the NNX variable holding it.
+        name: The parameter's name in its module.
+        chain: Reshapes/transposes applied between the read and the op.
+    """
+
+    path: str
+    value: Any
+    holder: Any
+    name: str
+    chain: tuple[Transform, ...] = ()
+
+
+class CallContext:
+    """Value handler and bookkeeping of one model call (see the module docstring)."""
+
+    def __init__(self, flavor: str, mode: Mode, *, update_stats: bool = False) -> None:
+        self.flavor = flavor
+        self.mode = mode
+        self.update_stats = update_stats
+        self.resolver: Callable[[object], str | None] = (
+            module_path.linen_path if flavor == "linen" else module_path.nnx_path
+        )
+        self._values: dict[int, tuple[Any, Source]] = {}
+        self._counters: dict[int, tuple[Any, dict[str, int]]] = {}
+        # DISCOVER results: param path -> recipe; module path -> site variables.
+        self.recipes: dict[str, Any] = {}
+        self.sites: dict[str, dict[str, Any]] = {}
+
+    # -- value handler -----------------------------------------------------------
+    def __call__(self, name: str, original: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        """Runs a reported value read or transform and records what it returns."""
+        out = original(*args, **kwargs)
+        if name == "linen_get_variable":
+            return self._linen_read(*_linen_args(args, kwargs, ("col", "name")), out)
+        if name == "linen_put_variable":
+            scope, col, key, value = _linen_args(args, kwargs, ("col", "name", "value"))
+            self._linen_read(scope, col, key, value)
+            return out
+        if name == "nnx_get_value":
+            return self._nnx_read(args[0], out)
+        entry = self._values.get(id(args[0]))
+        if entry is not None and entry[0] is args[0]:
+            step: tuple[Transform, ...] = ()
+            if name == "reshape":
+                step = (("reshape", tuple(out.shape)),)
+            elif name == "transpose":
+                perm = args[1] if len(args) > 1 else kwargs["permutation"]
+                step = (("transpose", tuple(int(p) for p in perm)),)
+            src = entry[1]
+            self._keep(out, dataclasses.replace(src, chain=src.chain + step))
+        return out
+
+    def _keep(self, value: Any, source: Source) -> None:
+        self._values[id(value)] = (value, source)
+
+    def _linen_read(self, scope: Any, col: str, key: str, raw: Any) -> Any:
+        if col != "params" or raw is None:
+            return raw
+        boxed = isinstance(raw, nn.meta.AxisMetadata)
+        value = raw.unbox() if boxed else raw
+        path = "/".join([*map(str, scope.path), key])
+        if isinstance(value, QuantizedParam):
+            s = stand_in(value)
+            self._keep(s, Source(path, value, scope, key))
+            return raw.replace_boxed(s) if boxed else s
+        if isinstance(value, jax.Array):
+            self._keep(value, Source(path, value, scope, key))
+        return raw
+
+    def _nnx_read(self, var: nnx.Variable, out: Any) -> Any:
+        raw = var.get_raw_value()
+        if not isinstance(raw, QuantizedParam) and not isinstance(out, jax.Array):
+            return out
+        owner = _nnx_owner(var)
+        if owner is None:
+            return out
+        module, attr = owner
+        base = module_path.nnx_path(module) or ""
+        path = f"{base}/{attr}" if base else attr
+        if isinstance(raw, QuantizedParam):
+            s = stand_in(raw)
+            self._keep(s, Source(path, raw, var, attr))
+            return s
+        self._keep(out, Source(path, out, var, attr))
+        return out
+
+    # -- queries used by the providers ---------------------------------------------
+    def source(self, operand: Any) -> Source | None:
+        """The parameter an op operand was read from, or None for an activation."""
+        entry = self._values.get(id(operand))
+        return entry[1] if entry is not None and entry[0] is operand else None
+
+    def site(self, module: Any, op_name: str) -> str:
+        """The next quantization site name of ``op_name`` in ``module`` (``einsum0``...)."""
+        _, counts = self._counters.setdefault(id(module), (module, {}))
+        k = counts.get(op_name, 0)
+        counts[op_name] = k + 1
+        return f"{op_name}{k}"
+
+    def calling_module(self) -> tuple[Any, str] | None:
+        """The innermost module on the stack and its path."""
+        return module_path.calling_module(self.resolver, skip=2)
+
+    def write_param(self, source: Source, value: Any) -> None:
+        """Replaces a Linen parameter (keeping its box), in INIT/QUANTIZE mode."""
+        scope = source.holder
+        raw = scope.get_variable("params", source.name)
+        if isinstance(raw, nn.meta.AxisMetadata):
+            value = raw.replace_boxed(value)
+        scope.put_variable("params", source.name, value)
+
+
+def _linen_args(args: tuple, kwargs: dict, names: tuple[str, ...]) -> tuple:
+    values = list(args[1:]) + [kwargs[n] for n in names[len(args) - 1 :] if n in kwargs]
+    return (args[0], *values[: len(names)])
+
+
+def _nnx_owner(var: nnx.Variable) -> tuple[nnx.Module, str] | None:
+    """The labelled module on the stack that holds ``var``, and the attribute name."""
+    import sys  # noqa: PLC0415
+
+    frame = sys._getframe(2)  # noqa: SLF001
+    while frame is not None:
+        obj = frame.f_locals.get("self")
+        if isinstance(obj, nnx.Module) and module_path.nnx_path(obj) is not None:
+            for attr, value in vars(obj).items():
+                if value is var:
+                    return obj, attr
+        frame = frame.f_back
+    return None

@@ -1,0 +1,232 @@
+"""One intercepted op call, in a form the providers can quantize.
+
+:func:`bind` turns ``(op name, original, args, kwargs)`` into an :class:`OpCall`:
+its two array operands, for each the axes it is contracted over (a weight gets
+one scale per remaining axis), and functions that run the op
+with qcore (operands may be QArrays) or with qcore's training ops.
+``jnp.dot`` / ``jnp.matmul`` / ``@`` become the equivalent two-operand einsum.
+Calls qflax does not quantize (more than two einsum operands, an
+``out_sharding``, a ``group_offset``, 0-d operands) bind to None and run as they
+are.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import string
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import qcore
+from jax import lax
+
+Array = jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class OpCall:
+    """A bound two-operand op.
+
+    Attributes:
+        name: The op's name (see :data:`qflax.OP_NAMES`).
+        operands: ``(lhs, rhs)``.
+        contracting: Contracted axes of each operand.
+        run: ``run(lhs, rhs)`` computes the op with qcore (QArrays allowed).
+        train: ``train(lhs, rhs, config, key)`` computes it with qcore's training
+            op for a :class:`qcore.TrainingQuant`.
+        forward_float: ``forward_float(lhs, rhs)``: the float op, for gradients.
+    """
+
+    name: str
+    operands: tuple[Array, Array]
+    contracting: tuple[tuple[int, ...], tuple[int, ...]]
+    run: Callable[[Any, Any], Array]
+    train: Callable[[Array, Array, qcore.TrainingQuant, Array | None], Array]
+    forward_float: Callable[[Array, Array], Array]
+
+
+def bind(name: str, original: Callable[..., Any], args: tuple, kwargs: dict) -> OpCall | None:
+    """The :class:`OpCall` of an intercepted call, or None if qflax leaves it float."""
+    bound = inspect.signature(original).bind(*args, **kwargs)
+    bound.apply_defaults()
+    a = dict(bound.arguments)
+    if a.get("out_sharding") is not None:
+        return None
+    return _BINDERS[name](a)
+
+
+def _pet(a: dict) -> dict[str, Any]:
+    return {"precision": a.get("precision"), "preferred_element_type": a.get("preferred_element_type")}
+
+
+def _is_array(x: Any) -> bool:
+    return isinstance(x, jax.Array) and x.ndim > 0
+
+
+def _dot_general(a: dict) -> OpCall | None:
+    lhs, rhs, dn = a["lhs"], a["rhs"], a["dimension_numbers"]
+    if not (_is_array(lhs) and _is_array(rhs)):
+        return None
+    (lc, rc), (lb, rb) = dn
+    lc, rc = tuple(int(i) % lhs.ndim for i in lc), tuple(int(i) % rhs.ndim for i in rc)
+    kw = _pet(a)
+
+    def train(x, w, config, key):
+        return qcore.train_dot_general(x, w, dn, config, key=key, **kw)
+
+    return OpCall(
+        "dot_general",
+        (lhs, rhs),
+        (lc, rc),
+        lambda x, w: qcore.dot_general(x, w, dn, **kw),
+        train,
+        lambda x, w: lax.dot_general(x, w, dn, **kw),
+    )
+
+
+def _einsum_call(name: str, subscripts: str, lhs: Array, rhs: Array, kw: dict) -> OpCall | None:
+    spec = subscripts.replace(" ", "")
+    if "->" not in spec or "." in spec:
+        return None
+    ins, out = spec.split("->")
+    terms = ins.split(",")
+    if len(terms) != 2 or len(terms[0]) != lhs.ndim or len(terms[1]) != rhs.ndim:
+        return None
+    contracting = tuple(tuple(i for i, c in enumerate(t) if c not in out) for t in terms)
+
+    def train(x, w, config, key):
+        return qcore.train_einsum(spec, x, w, config, key=key, **kw)
+
+    return OpCall(
+        name,
+        (lhs, rhs),
+        (contracting[0], contracting[1]),
+        lambda x, w: qcore.einsum(spec, x, w, **kw),
+        train,
+        lambda x, w: jax.numpy.einsum(spec, x, w, **kw),
+    )
+
+
+def _einsum(a: dict) -> OpCall | None:
+    subscripts, operands = a["subscripts"], a["operands"]
+    if not isinstance(subscripts, str) or len(operands) != 2:
+        return None
+    lhs, rhs = operands
+    if not (_is_array(lhs) and _is_array(rhs)):
+        return None
+    return _einsum_call("einsum", _explicit(subscripts, lhs.ndim, rhs.ndim), lhs, rhs, _pet(a))
+
+
+def _explicit(subscripts: str, n_lhs: int, n_rhs: int) -> str:
+    """Subscripts with ``...`` expanded and the output written out (numpy's rules)."""
+    spec = subscripts.replace(" ", "")
+    ins, out = spec.split("->") if "->" in spec else (spec, None)
+    terms = ins.split(",")
+    if len(terms) != 2:
+        return spec
+    free = [c for c in string.ascii_letters if c not in spec]
+    width = max(n - len(t.replace("...", "")) for t, n in zip(terms, (n_lhs, n_rhs), strict=True))
+    ell = "".join(free[:width]) if width > 0 else ""
+    expanded = []
+    for t, n in zip(terms, (n_lhs, n_rhs), strict=True):
+        k = n - len(t.replace("...", ""))
+        expanded.append(t.replace("...", ell[width - k :] if k > 0 else ""))
+    if out is None:
+        letters = expanded[0] + expanded[1]
+        out = ell + "".join(sorted(c for c in set(letters) if letters.count(c) == 1 and c not in ell))
+    else:
+        out = out.replace("...", ell)
+    return f"{expanded[0]},{expanded[1]}->{out}"
+
+
+def _matmul_subscripts(name: str, n_a: int, n_b: int) -> str | None:
+    """Einsum subscripts equal to ``jnp.dot`` / ``jnp.matmul`` for these ranks.
+
+    ``matmul`` shares (does not broadcast) the leading axes of two >2-D operands.
+    """
+    if n_a == 0 or n_b == 0:
+        return None
+    a_lead = string.ascii_lowercase[: n_a - 1]  # a's axes but the contracted last one
+    if n_b == 1:
+        return f"{a_lead}z,z->{a_lead}"
+    if name == "dot" or n_a <= 2:
+        b_lead = string.ascii_lowercase[n_a - 1 : n_a - 1 + n_b - 2]
+        if name == "matmul" and n_a == 2:  # (r, k) @ (..., k, y) -> (..., r, y)
+            return f"{a_lead}z,{b_lead}zy->{b_lead}{a_lead}y"
+        return f"{a_lead}z,{b_lead}zy->{a_lead}{b_lead}y"
+    if n_b == 2:
+        return f"{a_lead}z,zy->{a_lead}y"
+    return f"{a_lead}z,{a_lead[:-1]}zy->{a_lead}y"
+
+
+def _dot_like(name: str) -> Callable[[dict], OpCall | None]:
+    def binder(a: dict) -> OpCall | None:
+        x, y = a["a"], a["b"]
+        if not (_is_array(x) and _is_array(y)):
+            return None
+        if name == "matmul" and x.ndim > 2 and y.ndim > 2 and x.shape[:-2] != y.shape[:-2]:
+            return None  # broadcasting batch axes: leave it to jnp.matmul
+        subscripts = _matmul_subscripts(name, x.ndim, y.ndim)
+        return None if subscripts is None else _einsum_call(name, subscripts, x, y, _pet(a))
+
+    return binder
+
+
+def _conv(a: dict) -> OpCall | None:
+    lhs, rhs = a["lhs"], a["rhs"]
+    if not (_is_array(lhs) and _is_array(rhs)):
+        return None
+    dn = lax.conv_dimension_numbers(lhs.shape, rhs.shape, a["dimension_numbers"])
+    conv = {
+        k: a[k]
+        for k in ("lhs_dilation", "rhs_dilation", "feature_group_count", "batch_group_count")
+    }
+    conv.update(_pet(a), dimension_numbers=a["dimension_numbers"])
+    strides, padding = a["window_strides"], a["padding"]
+    out_feature = dn.rhs_spec[0]
+
+    def train(x, w, config, key):
+        return qcore.train_conv_general_dilated(x, w, strides, padding, config, key=key, **conv)
+
+    return OpCall(
+        "conv_general_dilated",
+        (lhs, rhs),
+        (tuple(i for i in range(lhs.ndim) if i != dn.lhs_spec[0]),
+         tuple(i for i in range(rhs.ndim) if i != out_feature)),
+        lambda x, w: qcore.conv_general_dilated(x, w, strides, padding, **conv),
+        train,
+        lambda x, w: lax.conv_general_dilated(x, w, strides, padding, **conv),
+    )
+
+
+def _ragged_dot(a: dict) -> OpCall | None:
+    lhs, rhs, sizes = a["lhs"], a["rhs"], a["group_sizes"]
+    if a.get("group_offset") is not None or not (_is_array(lhs) and _is_array(rhs)):
+        return None
+    if lhs.ndim != 2 or rhs.ndim != 3:
+        return None
+    kw = _pet(a)
+
+    def train(x, w, config, key):
+        return qcore.train_ragged_dot(x, w, sizes, config, key=key, **kw)
+
+    return OpCall(
+        "ragged_dot",
+        (lhs, rhs),
+        ((1,), (1,)),
+        lambda x, w: qcore.ragged_dot(x, w, sizes, **kw),
+        train,
+        lambda x, w: lax.ragged_dot(x, w, sizes, **kw),
+    )
+
+
+_BINDERS: dict[str, Callable[[dict], OpCall | None]] = {
+    "dot_general": _dot_general,
+    "einsum": _einsum,
+    "dot": _dot_like("dot"),
+    "matmul": _dot_like("matmul"),
+    "conv_general_dilated": _conv,
+    "ragged_dot": _ragged_dot,
+}

@@ -1,0 +1,148 @@
+"""``quantize_params``: quantize a float checkpoint without running the model.
+
+The abstract quantized params (``jax.eval_shape`` of the PTQ model's ``init``, or
+an abstract NNX PTQ model) hold, at each quantized weight, a
+:class:`~qflax.qparam.QuantizedParam` whose recipe says how to quantize it, and at
+each static activation scale an :class:`~qflax.qparam.ActScale` naming its
+statistic. This walks the float params, applies the recipes (the same compiled
+function the model uses, so the result is bit-identical), and fills static
+scales from ``quant_stats``.
+
+``params`` may hold only part of the model (e.g. one layer at a time, to load a
+large checkpoint piece by piece): every entry must exist in the abstract tree,
+unless ``allow_extra_params`` lets unknown entries through unchanged.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import numpy as np
+from flax import nnx, traverse_util
+
+from qflax import stats
+from qflax.qparam import ActScale, QuantizedParam, quantize_param
+
+Path = tuple[str, ...]
+
+
+def quantize_params(
+    params: Any,
+    abstract_quantized_params: Any,
+    quant_stats: Any = None,
+    *,
+    allow_extra_params: bool = False,
+) -> dict:
+    """Quantizes float ``params`` as ``abstract_quantized_params`` describes.
+
+    Args:
+        params: Nested dict of float arrays (Linen ``variables["params"]``, boxed
+            or not; NNX ``nnx.to_pure_dict(nnx.state(model))``), or a subtree of it
+            with full paths.
+        abstract_quantized_params: The PTQ model's params (Linen, e.g.
+            ``jax.eval_shape(qmodel.init, key, x)["params"]``) or the (abstract) PTQ
+            NNX model; leaves may be ``jax.ShapeDtypeStruct``.
+        quant_stats: The ``quant_stats`` collection of a calibrated QtProvider
+            model (Linen dict, or NNX model/state), for static activation scales.
+        allow_extra_params: Pass entries unknown to the abstract tree through.
+
+    Returns:
+        A nested dict shaped like ``params``: quantized weights become
+        QuantizedParams and the static scales of modules in ``params`` are added.
+
+    Raises:
+        ValueError: For an entry missing from the abstract tree, a shape mismatch
+            (naming the path and both shapes), quantized input, or a missing or
+            empty statistic.
+
+    Example:
+        >>> import flax.linen as nn, jax, jax.numpy as jnp
+        >>> import qflax
+        >>> rules = [qflax.QuantizationRule(weight_qtype="int4", tile_size=4)]
+        >>> qmodel = qflax.quantize_model(nn.Dense(3), qflax.PtqProvider(rules))
+        >>> x = jnp.ones((1, 8))
+        >>> abstract = jax.eval_shape(qmodel.init, jax.random.key(0), x)["params"]
+        >>> fp = nn.Dense(3).init(jax.random.key(1), x)["params"]
+        >>> q = qflax.quantize_params(fp, abstract)
+        >>> q["kernel"].qarray.qvalue.shape  # int4 codes packed two per byte
+        (4, 3)
+    """
+    flat = _flatten(params)
+    abstract = _flatten(abstract_quantized_params)
+    out: dict[Path, Any] = {}
+    for path, value in flat.items():
+        where = "/".join(path)
+        if isinstance(value, QuantizedParam | ActScale):
+            raise ValueError(f"params[{where!r}] is already quantized; pass float params")
+        if path not in abstract:
+            if allow_extra_params:
+                out[path] = value
+                continue
+            raise ValueError(
+                f"params[{where!r}] is not in abstract_quantized_params; pass "
+                "allow_extra_params=True to keep entries the quantized model does not use"
+            )
+        target = abstract[path]
+        want = tuple(target.shape)
+        if tuple(np.shape(value)) != want:
+            raise ValueError(
+                f"params[{where!r}] has shape {tuple(np.shape(value))}, but the quantized "
+                f"model expects {want}"
+            )
+        if isinstance(target, QuantizedParam):
+            out[path] = quantize_param(value, target.recipe)
+        else:
+            out[path] = value
+    modules = {path[:-1] for path in flat}
+    stat_tree = None if quant_stats is None else _flatten(quant_stats)
+    for path, target in abstract.items():
+        if not isinstance(target, ActScale) or path[:-1] not in modules:
+            continue
+        stat_path = (*path[:-1], target.recipe.stat)
+        where = "/".join(stat_path)
+        stat = _stat(stat_tree, stat_path)
+        if stat is None:
+            raise ValueError(
+                f"static scale {'/'.join(path)!r} needs quant_stats[{where!r}]: pass the "
+                "quant_stats of a calibrated QtProvider model"
+            )
+        stats.check_seen(stat, where)
+        out[path] = ActScale(stats.scale(stat, target.recipe.qtype), target.recipe)
+    return traverse_util.unflatten_dict(out)
+
+
+def _is_leaf(x: Any) -> bool:
+    return isinstance(x, QuantizedParam | ActScale | nn.meta.AxisMetadata | nnx.Variable)
+
+
+def _flatten(tree: Any) -> dict[Path, Any]:
+    """``{path: unboxed leaf}`` of a nested dict, an NNX module or an NNX state."""
+    if isinstance(tree, nnx.Module):
+        tree = nnx.state(tree)
+    if isinstance(tree, nnx.State):
+        tree = tree.to_pure_dict() if hasattr(tree, "to_pure_dict") else nnx.to_pure_dict(tree)
+    flat = traverse_util.flatten_dict(_plain(tree), is_leaf=lambda _, x: _is_leaf(x))
+    result = {}
+    for path, leaf in flat.items():
+        if isinstance(leaf, nn.meta.AxisMetadata):
+            leaf = leaf.unbox()
+        result[tuple(str(p) for p in path)] = leaf
+    return result
+
+
+def _plain(tree: Any) -> Any:
+    """Nested mappings (FrozenDict, State) as plain dicts."""
+    if hasattr(tree, "items") and not _is_leaf(tree):
+        return {k: _plain(v) for k, v in tree.items()}
+    return tree
+
+
+def _stat(flat: dict[Path, Any] | None, path: Path) -> dict | None:
+    if flat is None:
+        return None
+    keys = ("lo", "hi", "count")
+    if all((*path, k) in flat for k in keys):
+        return {k: flat[(*path, k)] for k in keys}
+    return None
+

@@ -1,0 +1,405 @@
+"""Providers: what happens to an intercepted op that a rule selects.
+
+Both providers classify the op's two operands the same way: an operand that was
+read from a model parameter (see :mod:`qflax.context`) is a *weight* and gets the
+rule's ``weight_qtype`` (one scale per output channel, optional tiles along the
+contracted axes); any other operand is an *activation* and gets ``act_qtype``,
+with a scale computed per call (dynamic range) or a stored one
+(``act_static_scale``, per tensor). An operand with no qtype stays float.
+
+* :class:`PtqProvider` computes with stored QArrays: weights quantized ahead of
+  time (``init``, :func:`qflax.quantize_params`, or NNX ``quantize_model``),
+  activations quantized per call or with stored :class:`~qflax.qparam.ActScale`.
+* :class:`QtProvider` trains through quantization: the forward pass is the
+  PTQ forward (bit-identical on the same parameters and scales), the backward
+  pass is straight-through, optionally quantized (qcore's training ops), and
+  static ranges are learnt as statistics (:mod:`qflax.stats`) in ``quant_stats``.
+
+Activation quantization sites are named per module in call order: the static
+scale of the left operand of the module's first ``einsum`` is ``einsum0_lhs``
+(statistic) and ``einsum0_lhs_scale`` (stored scale).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import qcore
+from qcore import BackwardQuant, HowToQuantize, TrainingQuant
+
+from qflax import stats
+from qflax.context import CallContext, Mode, Source
+from qflax.opcall import OpCall, bind
+from qflax.qparam import ActScale, QuantizedParam, Recipe, ScaleRecipe, quantize_param
+from qflax.rule import QuantizationRule, RuleMatcher
+
+SIDES = ("lhs", "rhs")
+
+
+@dataclasses.dataclass(frozen=True)
+class Weight:
+    """Plan for a weight operand."""
+
+    spec: HowToQuantize
+    source: Source
+
+
+@dataclasses.dataclass(frozen=True)
+class Activation:
+    """Plan for an activation operand: a dynamic spec, or a static site name."""
+
+    spec: HowToQuantize | None
+    site: str | None
+    qtype: str
+    calibration: str
+
+
+class Provider:
+    """Shared machinery: rule matching, operand classification, unused-rule report."""
+
+    def __init__(self, rules: Sequence[QuantizationRule]) -> None:
+        self.rules = tuple(rules)
+        self._matcher = RuleMatcher(self.rules)
+        self._warned = False
+
+    def unused_rules(self) -> list[QuantizationRule]:
+        """Rules that have matched no op in any call so far."""
+        return self._matcher.unused_rules()
+
+    def warn_unused(self) -> None:
+        """Warns (``UserWarning``) about every rule that has matched no op."""
+        self._matcher.warn_unused()
+
+    def call_finished(self) -> None:
+        """Called after each model call; warns about unused rules after the first."""
+        if not self._warned:
+            self._warned = True
+            self.warn_unused()
+
+    def handler(self, ctx: CallContext) -> Callable[[str, Callable[..., Any], tuple, dict], Any]:
+        """The op handler for one call (see :func:`qflax.interception.intercept`)."""
+
+        def handle(name: str, original: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+            found = ctx.calling_module()
+            if found is None:
+                return original(*args, **kwargs)
+            module, path = found
+            site = ctx.site(module, name)  # every op counts, so names do not depend on rules
+            rule = self._matcher.match(path, name)
+            if rule is None or (rule.weight_qtype is None and rule.act_qtype is None):
+                return original(*args, **kwargs)
+            call = bind(name, original, args, kwargs)
+            if call is None:
+                return original(*args, **kwargs)
+            plans = [self._plan(ctx, call, rule, i, site) for i in range(2)]
+            if all(p is None for p in plans):
+                return original(*args, **kwargs)
+            return self.compute(ctx, call, plans, module, path)
+
+        return handle
+
+    def _plan(
+        self, ctx: CallContext, call: OpCall, rule: QuantizationRule, i: int, site: str
+    ) -> Weight | Activation | None:
+        x = call.operands[i]
+        source = ctx.source(x)
+        if source is not None:
+            if rule.weight_qtype is None:
+                return None
+            spec = rule.weight_spec(x.ndim, call.contracting[i])
+            assert spec is not None
+            _check_tiles(spec, x.shape, source.path)
+            return Weight(spec, source)
+        if rule.act_qtype is None:
+            return None
+        qtype = qcore.qtypes.get(rule.act_qtype).name
+        if rule.act_static_scale:
+            return Activation(None, f"{site}_{SIDES[i]}", qtype, rule.act_calibration_method)
+        spec = rule.act_spec(x.ndim, call.contracting[i])
+        return Activation(spec, None, qtype, rule.act_calibration_method)
+
+    def compute(
+        self,
+        ctx: CallContext,
+        call: OpCall,
+        plans: list[Weight | Activation | None],
+        module: Any,
+        path: str,
+    ) -> jax.Array:
+        """Computes the op under the plans (implemented by each provider)."""
+        raise NotImplementedError
+
+
+def _check_tiles(spec: HowToQuantize, shape: tuple[int, ...], path: str) -> None:
+    try:
+        spec.scale_shape(shape)
+    except ValueError as err:
+        raise ValueError(f"weight {path!r} of shape {tuple(shape)}: {err}") from None
+
+
+def _weight_recipe(plan: Weight, x: jax.Array) -> Recipe:
+    value = plan.source.value
+    return Recipe(
+        spec=plan.spec,
+        transforms=plan.source.chain,
+        shape=tuple(value.shape),
+        dtype=jnp.dtype(value.dtype),
+        compute_dtype=jnp.dtype(x.dtype),
+    )
+
+
+def _batch_scale(x: jax.Array, plan: Activation) -> jax.Array:
+    lo, hi = stats.observe(x, plan.calibration)
+    return stats.scale({"lo": lo, "hi": hi}, plan.qtype)
+
+
+def _static_quantize(x: jax.Array, qtype: str, scale: jax.Array) -> qcore.QArray:
+    return qcore.quantize_with_scale_zero_point(x, qtype, scale.astype(jnp.float32).reshape((1,) * x.ndim))
+
+
+class _Sites:
+    """Reads and writes the per-module variables of activation sites (Linen or NNX)."""
+
+    def __init__(self, ctx: CallContext, module: Any, path: str) -> None:
+        self.ctx, self.module, self.path = ctx, module, path
+
+    def get(self, collection: str, name: str) -> Any:
+        if self.ctx.flavor == "linen":
+            scope = self.module.scope
+            if not scope.has_variable(collection, name):
+                return None
+            raw = scope.get_variable(collection, name)
+            return raw.unbox() if hasattr(raw, "unbox") else raw
+        var = getattr(self.module, name, None)
+        return None if var is None else var.get_raw_value()
+
+    def mutable(self, collection: str) -> bool:
+        if self.ctx.flavor == "linen":
+            return self.module.scope.is_mutable_collection(collection)
+        return collection == "quant_stats" and self.ctx.update_stats
+
+    def put(self, collection: str, name: str, value: Any) -> None:
+        if self.ctx.flavor == "linen":
+            self.module.scope.put_variable(collection, name, value)
+        elif self.ctx.mode is Mode.DISCOVER:
+            self.ctx.sites.setdefault(self.path, {})[name] = (collection, value)
+        else:
+            getattr(self.module, name).set_raw_value(value)
+
+
+class PtqProvider(Provider):
+    """Post-training quantization: compute with stored QArrays.
+
+    Schemas, by rule: weight-only (``weight_qtype`` only), dynamic range (plus
+    ``act_qtype``), static range (plus ``act_static_scale=True``: stored per-tensor
+    activation scales made from ``quant_stats``), activation-only (``act_qtype``
+    only).
+
+    Args:
+        rules: The :class:`~qflax.QuantizationRule` list, first match wins.
+    """
+
+    def compute(self, ctx, call, plans, module, path):  # noqa: D102 - see Provider
+        sites = _Sites(ctx, module, path)
+        operands = []
+        for x, plan in zip(call.operands, plans, strict=True):
+            if isinstance(plan, Weight):
+                operands.append(self._weight(ctx, plan, x))
+            elif isinstance(plan, Activation) and plan.spec is not None:
+                operands.append(qcore.quantize(x, plan.spec))
+            elif isinstance(plan, Activation):
+                operands.append(_static_quantize(x, plan.qtype, self._scale(ctx, sites, plan, x)))
+            else:
+                operands.append(x)
+        return call.run(*operands)
+
+    def _weight(self, ctx: CallContext, plan: Weight, x: jax.Array) -> qcore.QArray:
+        source = plan.source
+        if isinstance(source.value, QuantizedParam):
+            qp = source.value
+            want = (plan.spec, source.chain, tuple(x.shape))
+            have = (qp.recipe.spec, qp.recipe.transforms, qp.recipe.compute_shape())
+            if want != have:
+                raise ValueError(
+                    f"param {source.path!r} was quantized as {have[0]} in layout {have[1:]}, "
+                    f"but this op needs {want[0]} in layout {want[1:]}; re-quantize it from "
+                    "float with these rules"
+                )
+            return qp.qarray
+        recipe = _weight_recipe(plan, x)
+        if ctx.mode is Mode.APPLY:
+            raise ValueError(
+                f"param {source.path!r} is float (shape {tuple(source.value.shape)}, dtype "
+                f"{source.value.dtype}) but the rules quantize it to "
+                f"{plan.spec.resolved_qtype.name}: pass quantized params "
+                "(qflax.quantize_params(float_params, abstract_quantized_params)), or call "
+                "apply with mutable=['params'] to quantize them in the model"
+            )
+        qp = quantize_param(source.value, recipe)
+        if ctx.mode is Mode.DISCOVER:
+            known = ctx.recipes.setdefault(source.path, recipe)
+            if known != recipe:
+                raise ValueError(
+                    f"param {source.path!r} is used by two ops that quantize it differently "
+                    f"({known.spec} in layout {known.transforms} vs {recipe.spec} in "
+                    f"layout {recipe.transforms}); give them rules that agree"
+                )
+        else:
+            ctx.write_param(source, qp)
+        return qp.qarray
+
+    def _scale(self, ctx: CallContext, sites: _Sites, plan: Activation, x: jax.Array) -> jax.Array:
+        assert plan.site is not None
+        name = f"{plan.site}_scale"
+        stored = sites.get("params", name)
+        if isinstance(stored, ActScale):
+            return stored.scale
+        where = f"{sites.path}/{name}" if sites.path else name
+        if ctx.mode is Mode.APPLY:
+            raise ValueError(
+                f"static activation scale {where!r} is missing from the params: make it with "
+                "qflax.quantize_params(params, abstract_quantized_params, quant_stats), or call "
+                "apply with the quant_stats collection and mutable=['params']"
+            )
+        stat = sites.get("quant_stats", plan.site)
+        if stat is not None and ctx.mode is not Mode.DISCOVER:
+            stats.check_seen(stat, f"{sites.path}/{plan.site}")
+            scale = stats.scale(stat, plan.qtype)
+        else:  # init: calibrate on the batch at hand
+            scale = _batch_scale(x, plan)
+        sites.put("params", name, ActScale(scale, ScaleRecipe(plan.qtype, plan.site)))
+        return scale
+
+
+class QtProvider(Provider):
+    """Quantization-aware training: the PTQ forward with straight-through gradients.
+
+    Weights are fake-quantized from their float values every step, so they keep
+    training in float. Dynamic-range activations are quantized per call. Static
+    ones use the scale of their statistic in ``quant_stats`` (the current batch's
+    range while a statistic has count 0); statistics are created with count 0 at
+    init and updated when the ``quant_stats`` collection is mutable (Linen) or
+    ``model.qflax_update_stats`` is True (NNX).
+
+    Args:
+        rules: The :class:`~qflax.QuantizationRule` list, first match wins.
+        dlhs: Quantization of the contraction giving the lhs gradient (qcore
+            :class:`~qcore.BackwardQuant`); default float.
+        drhs: Same, for the rhs gradient.
+        clip_gradient: Zero gradients of values outside the calibrated range.
+        momentum: Weight of the old value in the statistics' moving average.
+        rng_collection: Linen RNG stream for stochastic rounding.
+    """
+
+    def __init__(
+        self,
+        rules: Sequence[QuantizationRule],
+        *,
+        dlhs: BackwardQuant = BackwardQuant(),
+        drhs: BackwardQuant = BackwardQuant(),
+        clip_gradient: bool = False,
+        momentum: float = 0.99,
+        rng_collection: str = "quant",
+    ) -> None:
+        super().__init__(rules)
+        if not 0.0 <= momentum < 1.0:
+            raise ValueError(f"momentum={momentum!r} must be in [0, 1)")
+        self.dlhs, self.drhs, self.clip_gradient = dlhs, drhs, clip_gradient
+        self.momentum, self.rng_collection = momentum, rng_collection
+
+    def compute(self, ctx, call, plans, module, path):  # noqa: D102 - see Provider
+        sites = _Sites(ctx, module, path)
+        specs: list[HowToQuantize | None] = [None, None]
+        scales: list[tuple[str, jax.Array] | None] = [None, None]
+        for i, (x, plan) in enumerate(zip(call.operands, plans, strict=True)):
+            if isinstance(plan, Weight):
+                if isinstance(plan.source.value, QuantizedParam):
+                    raise ValueError(
+                        f"param {plan.source.path!r} is already quantized; QtProvider trains "
+                        "float params (quantize them with PtqProvider after training)"
+                    )
+                if ctx.mode is Mode.DISCOVER:
+                    ctx.recipes.setdefault(plan.source.path, _weight_recipe(plan, x))
+                specs[i] = plan.spec
+            elif isinstance(plan, Activation) and plan.spec is not None:
+                specs[i] = plan.spec
+            elif isinstance(plan, Activation):
+                scales[i] = (plan.qtype, self._scale(ctx, sites, plan, x))
+        config = TrainingQuant(
+            lhs=specs[0], rhs=specs[1], dlhs=self.dlhs, drhs=self.drhs,
+            clip_gradient=self.clip_gradient,
+        )
+        key = self._key(ctx, module, config)
+        if scales == [None, None]:
+            return call.train(*call.operands, config, key)
+        if config.dlhs != BackwardQuant() or config.drhs != BackwardQuant() or key is not None:
+            raise ValueError(
+                f"{path}: quantized backward passes and stochastic rounding are not "
+                "available with act_static_scale rules"
+            )
+        return _static_forward(call, specs, scales)
+
+    def _key(self, ctx: CallContext, module: Any, config: TrainingQuant) -> jax.Array | None:
+        if not any(s.rounding == "stochastic" for s in config.specs()):
+            return None
+        if ctx.flavor != "linen":
+            raise ValueError(
+                "stochastic rounding in QtProvider needs a Linen model (rngs="
+                f"{{{self.rng_collection!r}: key}}); NNX models are not supported yet"
+            )
+        return module.make_rng(self.rng_collection)
+
+    def _scale(self, ctx: CallContext, sites: _Sites, plan: Activation, x: jax.Array) -> jax.Array:
+        assert plan.site is not None
+        batch = _batch_scale(x, plan)
+        if ctx.mode in (Mode.INIT, Mode.DISCOVER):
+            sites.put("quant_stats", plan.site, stats.empty())
+            return batch
+        stat = sites.get("quant_stats", plan.site)
+        mutable = sites.mutable("quant_stats")
+        if stat is None and not mutable:
+            raise ValueError(
+                f"statistic {sites.path}/{plan.site!r} of a static-range rule is missing: pass "
+                "the quant_stats collection that init created along with the params"
+            )
+        if mutable:
+            stat = stats.update(stat or stats.empty(), x, plan.calibration, momentum=self.momentum)
+            sites.put("quant_stats", plan.site, stat)
+        return jnp.where(stat["count"] > 0, stats.scale(stat, plan.qtype), batch)
+
+
+def _static_forward(
+    call: OpCall,
+    specs: list[HowToQuantize | None],
+    scales: list[tuple[str, jax.Array] | None],
+) -> jax.Array:
+    """The PTQ forward with static scales, with a straight-through float backward."""
+    qtypes = [None if s is None else s[0] for s in scales]
+
+    def quantized(i: int, x: jax.Array, scale: jax.Array | None) -> Any:
+        if scale is not None:
+            return _static_quantize(x, qtypes[i], scale)
+        spec = specs[i]
+        return x if spec is None else qcore.quantize(x, spec)
+
+    @jax.custom_vjp
+    def op(a, b, s):
+        return call.run(quantized(0, a, s[0]), quantized(1, b, s[1]))
+
+    def fwd(a, b, s):
+        return op(a, b, s), (a, b, s)
+
+    def bwd(res, g):
+        a, b, s = res
+        y, vjp = jax.vjp(call.forward_float, a, b)
+        da, db = vjp(g.astype(y.dtype))
+        return da, db, jax.tree.map(jnp.zeros_like, s)
+
+    op.defvjp(fwd, bwd)
+    s = tuple(None if x is None else x[1] for x in scales)
+    return op(*call.operands, s)
