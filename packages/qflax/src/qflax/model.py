@@ -25,14 +25,14 @@ from typing import Any
 
 import flax.linen as nn
 import jax
-import numpy as np
+import jax.numpy as jnp
 from flax import nnx
 from flax.core import scope as flax_scope
 
 from qflax import interception, module_path, stats
 from qflax.context import CallContext, Mode
 from qflax.provider import Provider, PtqProvider, QtProvider
-from qflax.qparam import ActScale, ScaleRecipe, quantize_param
+from qflax.qparam import ActScale, quantize_param
 
 
 def quantize_model(
@@ -194,13 +194,18 @@ def _quantize_nnx(
             "quantize_model(nnx_model, provider, *example_inputs): NNX models need example "
             f"inputs of {methods[0]!r} to find the ops to quantize"
         )
-    if getattr(type(model), "_qflax_provider", None) is not None:
+    given = type(model)
+    if getattr(given, "_qflax_provider", None) is not None:
         # Re-quantizing (e.g. a calibrated QtProvider model with a PtqProvider):
         # start from the original class, keep the variables.
-        model.__class__ = type(model).__bases__[0]
-    module_path.label_nnx(model)
-    ctx = _discover(model, provider, methods[0], inputs, kwargs)
-    _convert(model, provider, ctx)
+        model.__class__ = given.__bases__[0]
+    try:
+        module_path.label_nnx(model)
+        ctx = _discover(model, provider, methods[0], inputs, kwargs)
+        _convert(model, provider, ctx)
+    except BaseException:
+        model.__class__ = given
+        raise
     cls = _quantized_class(type(model), provider, methods)
     cls._qflax_provider = provider  # type: ignore[attr-defined]
     model.__class__ = cls
@@ -233,25 +238,26 @@ def _find(model: nnx.Module, path: str) -> Any:
 
 
 def _convert(model: nnx.Module, provider: Provider, ctx: CallContext) -> None:
-    """Quantizes the discovered params in place and adds the activation sites' variables."""
+    """Quantizes the discovered params in place and adds the activation sites' variables.
+
+    Everything that can fail (missing or empty statistics) is checked before the
+    first parameter is replaced, so a failed conversion leaves the model as it was.
+    """
     lead: dict[str, tuple[int, ...]] = {}  # module path -> stacking axes (nnx.vmap'd layers)
     for path, recipe in ctx.recipes.items():
         module_name, _, attr = path.rpartition("/")
-        var = getattr(_find(model, module_name), attr)
-        value = var.get_raw_value()
-        lead[module_name] = tuple(value.shape[: value.ndim - len(recipe.shape)])
-        if isinstance(provider, PtqProvider):
-            var.set_raw_value(quantize_param(value, recipe))
-            del value
+        shape = getattr(_find(model, module_name), attr).get_raw_value().shape
+        lead[module_name] = tuple(shape[: len(shape) - len(recipe.shape)])
+    new_vars: list[tuple[Any, str, nnx.Variable]] = []
     for path, variables in ctx.sites.items():
         module = _find(model, path)
-        shape = lead.get(path, ())
-        for name, (collection, _) in variables.items():
+        for name, (collection, value) in variables.items():
             if collection == "quant_stats":
-                empty = jax.tree.map(lambda a, s=shape: np.broadcast_to(a, s + a.shape), stats.empty())
-                setattr(module, name, stats.QuantStat(jax.tree.map(jax.numpy.asarray, empty)))
+                shape = lead.get(path, ())
+                empty = jax.tree.map(lambda a, s=shape: jnp.broadcast_to(a, s + a.shape), stats.empty())
+                new_vars.append((module, name, stats.QuantStat(empty)))
                 continue
-            site = name.removesuffix("_scale")
+            site = value.recipe.stat
             stat_var = getattr(module, site, None)
             if not isinstance(stat_var, stats.QuantStat):
                 raise ValueError(
@@ -261,6 +267,12 @@ def _convert(model: nnx.Module, provider: Provider, ctx: CallContext) -> None:
                 )
             stat = stat_var.get_raw_value()
             stats.check_seen(stat, f"{path}/{site}")
-            qtype = ctx.sites[path][name][1].recipe.qtype
-            scale = stats.scale(stat, qtype)
-            setattr(module, name, nnx.Param(ActScale(scale, ScaleRecipe(qtype, site))))
+            scale = stats.scale(stat, value.recipe.qtype)
+            new_vars.append((module, name, nnx.Param(ActScale(scale, value.recipe))))
+    if isinstance(provider, PtqProvider):
+        for path, recipe in ctx.recipes.items():
+            module_name, _, attr = path.rpartition("/")
+            var = getattr(_find(model, module_name), attr)
+            var.set_raw_value(quantize_param(var.get_raw_value(), recipe))
+    for module, name, var in new_vars:
+        setattr(module, name, var)

@@ -121,7 +121,7 @@ def _flatten(tree: Any) -> dict[Path, Any]:
     if isinstance(tree, nnx.Module):
         tree = nnx.state(tree)
     if isinstance(tree, nnx.State):
-        tree = tree.to_pure_dict() if hasattr(tree, "to_pure_dict") else nnx.to_pure_dict(tree)
+        tree = nnx.to_pure_dict(tree)
     flat = traverse_util.flatten_dict(_plain(tree), is_leaf=lambda _, x: _is_leaf(x))
     result = {}
     for path, leaf in flat.items():
