@@ -114,3 +114,31 @@ def test_packed_int4_with_short_or_odd_contractions_is_exact(k, tile, m):
     y = qcore.dot_general(x, q, (((1,), (0,)), ((), ())))
     ref = np.asarray(x, np.float64) @ np.asarray(qcore.dequantize(q), np.float64)
     assert float(np.max(np.abs(y - ref)) / np.max(np.abs(ref))) < 1e-6
+
+
+EXPLICIT_SHARDING = """
+import jax, jax.numpy as jnp, numpy as np
+import qcore
+from qcore.ops import kernels
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+x = jax.random.normal(jax.random.key(0), (8, 64))
+q = qcore.quantize(jax.random.normal(jax.random.key(1), (64, 32)),
+                   qcore.HowToQuantize(qtype="int8", channelwise_axes=(1,)))
+dims = (((1,), (0,)), ((), ()))
+ref = np.asarray(qcore.dot_general(x, q, dims))
+with jax.set_mesh(mesh):
+    xs = jax.device_put(x, NamedSharding(mesh, P("data", None)))
+    qs = jax.tree.map(lambda a: jax.device_put(a, NamedSharding(mesh, P(None, "model"))), q)
+    assert kernels.fast_dot_general(xs, qs, dims, None) is None
+    y = jax.jit(lambda a, b: qcore.dot_general(a, b, dims))(xs, qs)
+np.testing.assert_allclose(np.asarray(y), ref, rtol=1e-5, atol=1e-5)
+print("ok")
+"""
+
+
+def test_explicitly_sharded_operands_take_the_general_path():
+    from qcore import testing
+
+    assert testing.run_on_cpu_devices(EXPLICIT_SHARDING, 8).strip() == "ok"

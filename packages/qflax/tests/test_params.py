@@ -96,9 +96,12 @@ def test_boxed_partitioned_params_keep_their_boxes():
     )
     qmodel = qflax.quantize_model(model, qflax.PtqProvider([Rule(weight_qtype="int8")]))
     qv = qmodel.init(jax.random.key(0), X)
-    box = qv["params"]["kernel"]
-    assert isinstance(box, nn.Partitioned) and box.names == ("embed", "mlp")
-    assert isinstance(box.value, qflax.QuantizedParam)
+    kernel = qv["params"]["kernel"]
+    assert isinstance(kernel, qflax.QuantizedParam)
+    # Each leaf has its own box: codes keep the axes, scales only the per-channel one.
+    assert isinstance(kernel.qarray.qvalue, nn.Partitioned)
+    assert kernel.qarray.qvalue.names == ("embed", "mlp")
+    assert kernel.qarray.scale.names == (None, "mlp")
     fp = nn.unbox(model.init(jax.random.key(0), X)["params"])
     abstract = jax.eval_shape(qmodel.init, jax.random.key(0), X)["params"]
     assert_trees_identical(qflax.quantize_params(fp, abstract), nn.unbox(qv["params"]))

@@ -107,12 +107,17 @@ class CallContext:
         boxed = isinstance(raw, nn.meta.AxisMetadata)
         value = raw.unbox() if boxed else raw
         path = "/".join([*map(str, scope.path), key])
+        # Boxed values are returned unboxed: unboxing a logically partitioned value
+        # adds a sharding constraint (a new array each time), so the module must
+        # receive the very array recorded here.
         if isinstance(value, QuantizedParam):
+            value = nn.meta.unbox(value)  # its leaves carry their own partitioning
             s = stand_in(value)
             self._keep(s, Source(path, value, scope, key))
-            return raw.replace_boxed(s) if boxed else s
+            return s
         if isinstance(value, jax.Array):
             self._keep(value, Source(path, value, scope, key))
+            return value
         return raw
 
     def _nnx_read(self, var: nnx.Variable, out: Any) -> Any:
@@ -149,13 +154,59 @@ class CallContext:
         """The innermost module on the stack and its path."""
         return module_path.calling_module(self.resolver, skip=2)
 
-    def write_param(self, source: Source, value: Any) -> None:
-        """Replaces a Linen parameter (keeping its box), in INIT/QUANTIZE mode."""
+    def write_param(self, source: Source, value: QuantizedParam) -> None:
+        """Replaces a Linen parameter, in INIT/QUANTIZE mode (see :func:`box_leaves`)."""
         scope = source.holder
         raw = scope.get_variable("params", source.name)
         if isinstance(raw, nn.meta.AxisMetadata):
-            value = raw.replace_boxed(value)
+            value = box_leaves(raw, value)
         scope.put_variable("params", source.name, value)
+
+
+def leaf_axes(qp: QuantizedParam, axes: tuple[Any, ...]) -> dict[str, tuple[Any, ...]]:
+    """Per-leaf partitioning of a quantized param whose float param had ``axes``.
+
+    ``qvalue`` keeps the param's axes (a packed axis holds half as many bytes);
+    ``scale`` and ``zero_point`` keep them only along per-channel axes (where they
+    have the value's size) and are replicated along reduced or tiled ones. A param
+    the module reshaped before use is replicated: its axes do not map onto the
+    compute layout.
+    """
+    qa = qp.qarray
+    lead = qa.ndim - len(qp.recipe.compute_shape())
+    if qp.recipe.transforms or len(axes) != qa.ndim:
+        if not qp.recipe.transforms or lead == 0:
+            axes = (None,) * qa.ndim
+        else:
+            axes = tuple(axes[:lead]) + (None,) * (qa.ndim - lead)
+    per_channel = tuple(a if s == d else None for a, s, d in zip(axes, qa.scale.shape, qa.shape, strict=True))
+    return {
+        "qvalue": tuple(axes),
+        "scale": per_channel,
+        "zero_point": per_channel,
+        "tensor_scale": (None,) * qa.ndim,
+    }
+
+
+def box_leaves(box: Any, qp: QuantizedParam) -> Any:
+    """``qp`` with each QArray leaf in its own copy of ``box`` (``nn.Partitioned``...).
+
+    Partitioning metadata with ``names`` is adapted per leaf (:func:`leaf_axes`), so
+    ``nn.get_partition_spec`` gives codes and scales shardings that fit their
+    shapes; other metadata boxes the whole param.
+    """
+    names = getattr(box, "names", None)
+    if names is None:
+        return box.replace_boxed(qp)
+    axes = leaf_axes(qp, tuple(names))
+    qa = qp.qarray
+    children, aux = qa.tree_flatten_with_keys()
+    boxed = []
+    for key, leaf in children:
+        if leaf is not None:
+            leaf = box.replace_boxed(leaf).replace(names=axes[key.name])
+        boxed.append(leaf)
+    return QuantizedParam(type(qa).tree_unflatten(aux, boxed), qp.recipe)
 
 
 def _linen_args(args: tuple, kwargs: dict, names: tuple[str, ...]) -> tuple:

@@ -28,11 +28,13 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 from flax.core import scope as flax_scope
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from qflax import interception, module_path, stats
-from qflax.context import CallContext, Mode
+from qflax.context import CallContext, Mode, leaf_axes
 from qflax.provider import Provider, PtqProvider, QtProvider
-from qflax.qparam import ActScale, quantize_param
+from qflax.qparam import ActScale, QuantizedParam, quantize_param
 
 
 def quantize_model(
@@ -273,6 +275,30 @@ def _convert(model: nnx.Module, provider: Provider, ctx: CallContext) -> None:
         for path, recipe in ctx.recipes.items():
             module_name, _, attr = path.rpartition("/")
             var = getattr(_find(model, module_name), attr)
-            var.set_raw_value(quantize_param(var.get_raw_value(), recipe))
+            var.set_raw_value(_sharded_like(var.get_raw_value(), recipe))
+            if var.has_metadata("out_sharding"):
+                # A float-layout spec does not fit codes and scales; their arrays
+                # carry their own shardings now.
+                var.set_metadata("out_sharding", None)
     for module, name, var in new_vars:
         setattr(module, name, var)
+
+
+def _sharded_like(value: jax.Array, recipe: Any) -> QuantizedParam:
+    """Quantizes ``value``; codes and scales of a mesh-sharded value stay on its mesh.
+
+    ``qvalue`` takes the float parameter's partition spec and ``scale`` keeps it
+    along per-channel axes only (see :func:`qflax.context.leaf_axes`).
+    """
+    qp = quantize_param(value, recipe)
+    sharding = getattr(value, "sharding", None)
+    if not isinstance(sharding, NamedSharding):
+        return qp
+    spec = tuple(sharding.spec) + (None,) * (value.ndim - len(sharding.spec))
+    axes = leaf_axes(qp, spec)
+    children, aux = qp.qarray.tree_flatten_with_keys()
+    placed = [
+        None if leaf is None else jax.device_put(leaf, NamedSharding(sharding.mesh, P(*axes[k.name])))
+        for k, leaf in children
+    ]
+    return QuantizedParam(type(qp.qarray).tree_unflatten(aux, placed), recipe)

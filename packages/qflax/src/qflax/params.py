@@ -125,9 +125,7 @@ def _flatten(tree: Any) -> dict[Path, Any]:
     flat = traverse_util.flatten_dict(_plain(tree), is_leaf=lambda _, x: _is_leaf(x))
     result = {}
     for path, leaf in flat.items():
-        if isinstance(leaf, nn.meta.AxisMetadata):
-            leaf = leaf.unbox()
-        result[tuple(str(p) for p in path)] = leaf
+        result[tuple(str(p) for p in path)] = nn.meta.unbox(leaf)
     return result
 
 

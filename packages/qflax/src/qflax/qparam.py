@@ -102,7 +102,12 @@ class QuantizedParam:
         return self
 
     def __repr__(self) -> str:
-        return f"QuantizedParam({self.qarray!r}, param shape={self.recipe.shape})"
+        spec = self.recipe.spec
+        packed = ", packed" if spec.pack else ""
+        return (
+            f"QuantizedParam({spec.resolved_qtype.name}, shape={self.recipe.shape}, "
+            f"compute shape={self.recipe.compute_shape()}{packed})"
+        )
 
     def tree_flatten_with_keys(self):  # noqa: D102 - pytree protocol
         return ((jax.tree_util.GetAttrKey("qarray"), self.qarray),), self.recipe

@@ -38,6 +38,7 @@ Scales: per output column, shape (1, N); int4 sub-channel scales (K // group, N)
 
 import math
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 
@@ -384,6 +385,19 @@ def _signed_int8_codes(q) -> bool:
     return qt.kind == "int" and qt.signed and qt.bits <= 8 and q.packing is None
 
 
+def _explicitly_sharded(*arrays) -> bool:
+    """Whether any array is split across devices by an explicit-axes mesh.
+
+    The kernels' blocked loops carry unsharded accumulators; under explicit
+    sharding the general path lets XLA place the contraction instead.
+    """
+    for a in arrays:
+        spec = getattr(getattr(jax.typeof(a), "sharding", None), "spec", None)
+        if spec is not None and any(p is not None for p in spec):
+            return True
+    return False
+
+
 def fast_dot_general(lhs, rhs, dims, precision):
     """The kernel result for ``dot_general(lhs, rhs, dims)``, or None if no kernel applies.
 
@@ -397,6 +411,8 @@ def fast_dot_general(lhs, rhs, dims, precision):
 
     (lc, rc), (lb, rb) = dims
     if not isinstance(rhs, QArray) or rhs.ndim != 2 or lb or rb or len(lc) != 1:
+        return None
+    if _explicitly_sharded(*jax.tree.leaves((lhs, rhs))):
         return None
     if lc[0] != lhs.ndim - 1 or rhs.zero_point is not None or rhs.tensor_scale is not None:
         return None
