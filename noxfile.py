@@ -32,6 +32,9 @@ PACKAGES: dict[str, list[str]] = {
     "qcore": [],
     "qflax": ["qcore"],
 }
+# Optional extras installed wherever a package is installed editable here (the
+# tests and the type checker cover the code behind them).
+EXTRAS: dict[str, str] = {"qflax": "checkpoint"}
 
 nox.options.sessions = ["tests", "integration", "lint", "typecheck", "docs"]
 
@@ -40,7 +43,8 @@ def _editable(*packages: str) -> list[str]:
     """Return pip arguments that install ``packages`` from packages/ in editable mode."""
     args: list[str] = []
     for package in packages:
-        args += ["-e", f"packages/{package}"]
+        extra = f"[{EXTRAS[package]}]" if package in EXTRAS else ""
+        args += ["-e", f"packages/{package}{extra}"]
     return args
 
 

@@ -72,7 +72,9 @@ def test_extra_params_raise_unless_allowed(linen):
 def test_shape_mismatch_names_the_path_and_both_shapes(linen):
     _, fp, abstract = linen
     bad = {"Dense_1": {**fp["Dense_1"], "kernel": jnp.ones((64, 256))}}
-    with pytest.raises(ValueError, match=re.escape("params['Dense_1/kernel'] has shape (64, 256)")) as e:
+    with pytest.raises(
+        ValueError, match=re.escape("params['Dense_1/kernel'] has shape (64, 256)")
+    ) as e:
         qflax.quantize_params(bad, abstract)
     assert "(128, 256)" in str(e.value)
 

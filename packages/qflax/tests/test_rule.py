@@ -23,6 +23,7 @@ def test_public_api_is_pinned():
         "QuantizedParam",
         "RuleMatcher",
         "__version__",
+        "checkpoint",
         "interception",
         "module_path",
         "quantize_model",

@@ -52,11 +52,13 @@ from jax.sharding import PartitionSpec as P
 
 mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
 init = nnx.initializers.lecun_normal()
+a_init = nnx.with_partitioning(init, ("data", "model"))
+b_init = nnx.with_partitioning(init, ("model", None))
 
 class Net(nnx.Module):
     def __init__(self, rngs):
-        self.a = nnx.Linear(128, 256, kernel_init=nnx.with_partitioning(init, ("data", "model")), rngs=rngs)
-        self.b = nnx.Linear(256, 64, kernel_init=nnx.with_partitioning(init, ("model", None)), rngs=rngs)
+        self.a = nnx.Linear(128, 256, kernel_init=a_init, rngs=rngs)
+        self.b = nnx.Linear(256, 64, kernel_init=b_init, rngs=rngs)
 
     def __call__(self, x):
         return self.b(self.a(x))

@@ -4,10 +4,11 @@ Rules (:class:`QuantizationRule`) select ops by module path; a provider
 (:class:`PtqProvider`, :class:`QtProvider`) says what happens to them;
 :func:`quantize_model` applies it to a Linen or NNX model and
 :func:`quantize_params` quantizes float checkpoints without running the model.
+:mod:`qflax.checkpoint` saves and loads quantized params (orbax, safetensors).
 See the docs page "Quantize a Flax model".
 """
 
-from qflax import interception, module_path, stats
+from qflax import checkpoint, interception, module_path, stats
 from qflax.interception import OP_NAMES
 from qflax.model import QuantizedLinen, quantize_model
 from qflax.params import quantize_params
@@ -30,6 +31,7 @@ __all__ = [
     "QuantizedParam",
     "RuleMatcher",
     "__version__",
+    "checkpoint",
     "interception",
     "module_path",
     "quantize_model",

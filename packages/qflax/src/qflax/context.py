@@ -79,7 +79,8 @@ class CallContext:
         """Runs a reported value read or transform and records what it returns."""
         out = original(*args, **kwargs)
         if name == "linen_get_variable":
-            return self._linen_read(*_linen_args(args, kwargs, ("col", "name")), out)
+            scope, col, key = _linen_args(args, kwargs, ("col", "name"))
+            return self._linen_read(scope, col, key, out)
         if name == "linen_put_variable":
             scope, col, key, value = _linen_args(args, kwargs, ("col", "name", "value"))
             self._linen_read(scope, col, key, value)
@@ -179,7 +180,9 @@ def leaf_axes(qp: QuantizedParam, axes: tuple[Any, ...]) -> dict[str, tuple[Any,
             axes = (None,) * qa.ndim
         else:
             axes = tuple(axes[:lead]) + (None,) * (qa.ndim - lead)
-    per_channel = tuple(a if s == d else None for a, s, d in zip(axes, qa.scale.shape, qa.shape, strict=True))
+    per_channel = tuple(
+        a if s == d else None for a, s, d in zip(axes, qa.scale.shape, qa.shape, strict=True)
+    )
     return {
         "qvalue": tuple(axes),
         "scale": per_channel,

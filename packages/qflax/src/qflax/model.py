@@ -178,7 +178,7 @@ def _quantized_class(cls: type, provider: Provider, methods: tuple[str, ...]) ->
 
         return method
 
-    attrs = {name: wrap(name) for name in methods}
+    attrs: dict[str, Any] = {name: wrap(name) for name in methods}
     attrs["__qualname__"] = f"Quantized{cls.__qualname__}"
     attrs["__module__"] = cls.__module__
     return type(f"Quantized{cls.__name__}", (cls,), attrs)
@@ -256,7 +256,9 @@ def _convert(model: nnx.Module, provider: Provider, ctx: CallContext) -> None:
         for name, (collection, value) in variables.items():
             if collection == "quant_stats":
                 shape = lead.get(path, ())
-                empty = jax.tree.map(lambda a, s=shape: jnp.broadcast_to(a, s + a.shape), stats.empty())
+                empty = jax.tree.map(
+                    lambda a, s=shape: jnp.broadcast_to(a, s + a.shape), stats.empty()
+                )
                 new_vars.append((module, name, stats.QuantStat(empty)))
                 continue
             site = value.recipe.stat
@@ -298,7 +300,9 @@ def _sharded_like(value: jax.Array, recipe: Any) -> QuantizedParam:
     axes = leaf_axes(qp, spec)
     children, aux = qp.qarray.tree_flatten_with_keys()
     placed = [
-        None if leaf is None else jax.device_put(leaf, NamedSharding(sharding.mesh, P(*axes[k.name])))
+        None
+        if leaf is None
+        else jax.device_put(leaf, NamedSharding(sharding.mesh, P(*axes[k.name])))
         for k, leaf in children
     ]
     return QuantizedParam(type(qp.qarray).tree_unflatten(aux, placed), recipe)

@@ -19,8 +19,9 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-import qcore
 from jax import lax
+
+import qcore
 
 Array = jax.Array
 
@@ -58,7 +59,10 @@ def bind(name: str, original: Callable[..., Any], args: tuple, kwargs: dict) -> 
 
 
 def _pet(a: dict) -> dict[str, Any]:
-    return {"precision": a.get("precision"), "preferred_element_type": a.get("preferred_element_type")}
+    return {
+        "precision": a.get("precision"),
+        "preferred_element_type": a.get("preferred_element_type"),
+    }
 
 
 def _is_array(x: Any) -> bool:
@@ -135,7 +139,9 @@ def _explicit(subscripts: str, n_lhs: int, n_rhs: int) -> str:
         expanded.append(t.replace("...", ell[width - k :] if k > 0 else ""))
     if out is None:
         letters = expanded[0] + expanded[1]
-        out = ell + "".join(sorted(c for c in set(letters) if letters.count(c) == 1 and c not in ell))
+        out = ell + "".join(
+            sorted(c for c in set(letters) if letters.count(c) == 1 and c not in ell)
+        )
     else:
         out = out.replace("...", ell)
     return f"{expanded[0]},{expanded[1]}->{out}"
@@ -193,8 +199,10 @@ def _conv(a: dict) -> OpCall | None:
     return OpCall(
         "conv_general_dilated",
         (lhs, rhs),
-        (tuple(i for i in range(lhs.ndim) if i != dn.lhs_spec[0]),
-         tuple(i for i in range(rhs.ndim) if i != out_feature)),
+        (
+            tuple(i for i in range(lhs.ndim) if i != dn.lhs_spec[0]),
+            tuple(i for i in range(rhs.ndim) if i != out_feature),
+        ),
         lambda x, w: qcore.conv_general_dilated(x, w, strides, padding, **conv),
         train,
         lambda x, w: lax.conv_general_dilated(x, w, strides, padding, **conv),

@@ -143,4 +143,3 @@ def _stat(flat: dict[Path, Any] | None, path: Path) -> dict | None:
     if all((*path, k) in flat for k in keys):
         return {k: flat[(*path, k)] for k in keys}
     return None
-

@@ -23,15 +23,14 @@ scale of the left operand of the module's first ``einsum`` is ``einsum0_lhs``
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+
 import qcore
 from qcore import BackwardQuant, HowToQuantize, TrainingQuant
-
 from qflax import stats
 from qflax.context import CallContext, Mode, Source
 from qflax.opcall import OpCall, bind
@@ -39,6 +38,7 @@ from qflax.qparam import ActScale, QuantizedParam, Recipe, ScaleRecipe, quantize
 from qflax.rule import QuantizationRule, RuleMatcher
 
 SIDES = ("lhs", "rhs")
+_FLOAT_BACKWARD = BackwardQuant()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,7 +159,9 @@ def _batch_scale(x: jax.Array, plan: Activation) -> jax.Array:
 
 
 def _static_quantize(x: jax.Array, qtype: str, scale: jax.Array) -> qcore.QArray:
-    return qcore.quantize_with_scale_zero_point(x, qtype, scale.astype(jnp.float32).reshape((1,) * x.ndim))
+    return qcore.quantize_with_scale_zero_point(
+        x, qtype, scale.astype(jnp.float32).reshape((1,) * x.ndim)
+    )
 
 
 class _Sites:
@@ -300,8 +302,8 @@ class QtProvider(Provider):
         self,
         rules: Sequence[QuantizationRule],
         *,
-        dlhs: BackwardQuant = BackwardQuant(),
-        drhs: BackwardQuant = BackwardQuant(),
+        dlhs: BackwardQuant = _FLOAT_BACKWARD,
+        drhs: BackwardQuant = _FLOAT_BACKWARD,
         clip_gradient: bool = False,
         momentum: float = 0.99,
         rng_collection: str = "quant",
@@ -331,13 +333,16 @@ class QtProvider(Provider):
             elif isinstance(plan, Activation):
                 scales[i] = (plan.qtype, self._scale(ctx, sites, plan, x))
         config = TrainingQuant(
-            lhs=specs[0], rhs=specs[1], dlhs=self.dlhs, drhs=self.drhs,
+            lhs=specs[0],
+            rhs=specs[1],
+            dlhs=self.dlhs,
+            drhs=self.drhs,
             clip_gradient=self.clip_gradient,
         )
         key = self._key(ctx, module, config)
         if scales == [None, None]:
             return call.train(*call.operands, config, key)
-        if config.dlhs != BackwardQuant() or config.drhs != BackwardQuant() or key is not None:
+        if config.dlhs != _FLOAT_BACKWARD or config.drhs != _FLOAT_BACKWARD or key is not None:
             raise ValueError(
                 f"{path}: quantized backward passes and stochastic rounding are not "
                 "available with act_static_scale rules"
@@ -370,6 +375,7 @@ class QtProvider(Provider):
         if mutable:
             stat = stats.update(stat or stats.empty(), x, plan.calibration, momentum=self.momentum)
             sites.put("quant_stats", plan.site, stat)
+        assert stat is not None
         return jnp.where(stat["count"] > 0, stats.scale(stat, plan.qtype), batch)
 
 
@@ -379,7 +385,7 @@ def _static_forward(
     scales: list[tuple[str, jax.Array] | None],
 ) -> jax.Array:
     """The PTQ forward with static scales, with a straight-through float backward."""
-    qtypes = [None if s is None else s[0] for s in scales]
+    qtypes = ["" if s is None else s[0] for s in scales]
 
     def quantized(i: int, x: jax.Array, scale: jax.Array | None) -> Any:
         if scale is not None:

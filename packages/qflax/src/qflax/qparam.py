@@ -19,8 +19,13 @@ Example:
     >>> import qcore
     >>> from qflax.qparam import Recipe, quantize_param, stand_in
     >>> spec = qcore.HowToQuantize(qtype="int8", channelwise_axes=(1,))
-    >>> recipe = Recipe(spec=spec, transforms=(), shape=(4, 3), dtype=jnp.dtype("float32"),
-    ...                 compute_dtype=jnp.dtype("float32"))
+    >>> recipe = Recipe(
+    ...     spec=spec,
+    ...     transforms=(),
+    ...     shape=(4, 3),
+    ...     dtype=jnp.dtype("float32"),
+    ...     compute_dtype=jnp.dtype("float32"),
+    ... )
     >>> qp = quantize_param(jnp.arange(12.0).reshape(4, 3), recipe)
     >>> qp.qarray.qvalue.dtype, qp.qarray.scale.shape
     (dtype('int8'), (1, 3))
@@ -37,6 +42,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+
 import qcore
 from qcore import HowToQuantize, QArray
 
@@ -205,7 +211,9 @@ def stand_in(qp: QuantizedParam) -> jax.Array:
     for kind, arg in qp.recipe.transforms:
         prev = shapes[-1]
         shapes.append(arg if kind == "reshape" else tuple(prev[a] for a in arg))
-    for (kind, arg), prev in zip(reversed(qp.recipe.transforms), reversed(shapes[:-1]), strict=True):
+    for (kind, arg), prev in zip(
+        reversed(qp.recipe.transforms), reversed(shapes[:-1]), strict=True
+    ):
         if kind == "reshape":
             x = x.reshape(x.shape[:lead] + tuple(prev))
         else:

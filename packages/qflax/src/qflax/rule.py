@@ -40,9 +40,7 @@ from typing import Any, cast
 
 import qcore
 from qcore import HowToQuantize
-
 from qflax.interception import OP_NAMES
-
 
 TileSize = int | float | Mapping[int, int | float] | None
 

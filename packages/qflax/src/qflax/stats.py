@@ -28,8 +28,9 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import qcore
 from flax import nnx
+
+import qcore
 
 Stat = dict[str, jax.Array]
 
@@ -84,10 +85,11 @@ def check_seen(stat: Stat, path: str) -> None:
     Raises:
         ValueError: Naming the statistic's path.
     """
-    count = stat["count"]
-    if isinstance(count, jax.core.Tracer):
+    try:
+        seen = int(jnp.min(stat["count"]))
+    except jax.errors.ConcretizationTypeError:  # traced: checked when run concretely
         return
-    if int(jnp.min(count)) == 0:
+    if seen == 0:
         raise ValueError(
             f"quant_stats {path!r} has count 0: no calibration batch reached it. Run the "
             "QtProvider model on calibration data with quant_stats mutable first"
