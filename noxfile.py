@@ -117,4 +117,5 @@ def demo(session: nox.Session) -> None:
 def bench(session: nox.Session) -> None:
     """Run the benchmarks (benchmarks/*.py) against float and Qwix; not in the default suite."""
     session.install(*_editable(*PACKAGES), QWIX)
-    session.run("python", "benchmarks/ops.py", *(session.posargs or ["--readme"]))
+    for script in ("ops.py", "flax_ptq.py"):
+        session.run("python", f"benchmarks/{script}", *(session.posargs or ["--readme"]))

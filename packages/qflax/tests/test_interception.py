@@ -167,3 +167,40 @@ def test_ops_inside_pallas_kernels_are_not_intercepted():
         y = f(x, x) + x @ x
     assert seen == ["matmul"]  # the model's x @ x, not the kernel's jnp.dot
     np.testing.assert_array_equal(y, 16.0)
+
+
+def test_the_value_handler_sees_variable_reads_and_weight_transforms():
+    class Reshaping(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            k = self.param("k", nn.initializers.ones, (2, 8, 4))
+            return x @ k.reshape(16, 4).T.T.astype(jnp.float32)
+
+    class NnxReads(nnx.Module):
+        def __init__(self):
+            self.w = nnx.Param(jnp.ones((16, 4)))
+
+        def __call__(self, x):
+            return x @ self.w[...]
+
+    x = jnp.ones((2, 16))
+    params = Reshaping().init(jax.random.key(0), x)
+    values = []
+
+    def on_value(name, original, args, kwargs):
+        values.append(name)
+        return original(*args, **kwargs)
+
+    def on_op(name, original, args, kwargs):
+        return original(*args, **kwargs)
+
+    with interception.intercept(on_op, values=on_value):
+        y = Reshaping().apply(params, x)
+        z = NnxReads()(x)
+    assert {"linen_get_variable", "reshape", "transpose", "nnx_get_value"} <= set(values)
+    assert set(values) <= set(interception.VALUE_NAMES)
+    np.testing.assert_array_equal(y, z)
+    values.clear()
+    with interception.intercept(on_op):  # no value handler: values are not reported
+        Reshaping().apply(params, x)
+    assert values == []

@@ -234,7 +234,7 @@ def export_safetensors(
         if a.dtype.name not in _NATIVE:
             dtypes[key] = a.dtype.name
             a = a.view(np.dtype(f"uint{8 * a.dtype.itemsize}"))
-        tensors[key] = np.ascontiguousarray(a)
+        tensors[key] = np.array(a, order="C")  # ascontiguousarray would make 0-d 1-d
     meta = {"format": FORMAT, "dtypes": dtypes,
             "rules": None if rules is None else rules_to_json(rules)}  # fmt: skip
     target = Path(file).absolute()

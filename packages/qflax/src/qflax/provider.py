@@ -30,7 +30,6 @@ import jax
 import jax.numpy as jnp
 
 import qcore
-from qcore import BackwardQuant, HowToQuantize, TrainingQuant
 from qflax import stats
 from qflax.context import CallContext, Mode, Source
 from qflax.opcall import OpCall, bind
@@ -38,14 +37,14 @@ from qflax.qparam import ActScale, QuantizedParam, Recipe, ScaleRecipe, quantize
 from qflax.rule import QuantizationRule, RuleMatcher
 
 SIDES = ("lhs", "rhs")
-_FLOAT_BACKWARD = BackwardQuant()
+_FLOAT_BACKWARD = qcore.BackwardQuant()
 
 
 @dataclasses.dataclass(frozen=True)
 class Weight:
     """Plan for a weight operand."""
 
-    spec: HowToQuantize
+    spec: qcore.HowToQuantize
     source: Source
 
 
@@ -53,7 +52,7 @@ class Weight:
 class Activation:
     """Plan for an activation operand: a dynamic spec, or a static site name."""
 
-    spec: HowToQuantize | None
+    spec: qcore.HowToQuantize | None
     site: str | None
     qtype: str
     calibration: str
@@ -135,7 +134,7 @@ class Provider:
         raise NotImplementedError
 
 
-def _check_tiles(spec: HowToQuantize, shape: tuple[int, ...], path: str) -> None:
+def _check_tiles(spec: qcore.HowToQuantize, shape: tuple[int, ...], path: str) -> None:
     try:
         spec.scale_shape(shape)
     except ValueError as err:
@@ -302,8 +301,8 @@ class QtProvider(Provider):
         self,
         rules: Sequence[QuantizationRule],
         *,
-        dlhs: BackwardQuant = _FLOAT_BACKWARD,
-        drhs: BackwardQuant = _FLOAT_BACKWARD,
+        dlhs: qcore.BackwardQuant = _FLOAT_BACKWARD,
+        drhs: qcore.BackwardQuant = _FLOAT_BACKWARD,
         clip_gradient: bool = False,
         momentum: float = 0.99,
         rng_collection: str = "quant",
@@ -316,7 +315,7 @@ class QtProvider(Provider):
 
     def compute(self, ctx, call, plans, module, path):  # noqa: D102 - see Provider
         sites = _Sites(ctx, module, path)
-        specs: list[HowToQuantize | None] = [None, None]
+        specs: list[qcore.HowToQuantize | None] = [None, None]
         scales: list[tuple[str, jax.Array] | None] = [None, None]
         for i, (x, plan) in enumerate(zip(call.operands, plans, strict=True)):
             if isinstance(plan, Weight):
@@ -332,7 +331,7 @@ class QtProvider(Provider):
                 specs[i] = plan.spec
             elif isinstance(plan, Activation):
                 scales[i] = (plan.qtype, self._scale(ctx, sites, plan, x))
-        config = TrainingQuant(
+        config = qcore.TrainingQuant(
             lhs=specs[0],
             rhs=specs[1],
             dlhs=self.dlhs,
@@ -349,7 +348,7 @@ class QtProvider(Provider):
             )
         return _static_forward(call, specs, scales)
 
-    def _key(self, ctx: CallContext, module: Any, config: TrainingQuant) -> jax.Array | None:
+    def _key(self, ctx: CallContext, module: Any, config: qcore.TrainingQuant) -> jax.Array | None:
         if not any(s.rounding == "stochastic" for s in config.specs()):
             return None
         if ctx.flavor != "linen":
@@ -381,7 +380,7 @@ class QtProvider(Provider):
 
 def _static_forward(
     call: OpCall,
-    specs: list[HowToQuantize | None],
+    specs: list[qcore.HowToQuantize | None],
     scales: list[tuple[str, jax.Array] | None],
 ) -> jax.Array:
     """The PTQ forward with static scales, with a straight-through float backward."""

@@ -44,7 +44,6 @@ import jax.numpy as jnp
 import numpy as np
 
 import qcore
-from qcore import HowToQuantize, QArray
 
 Transform = tuple[str, tuple[int, ...]]  # ("reshape", new shape) or ("transpose", perm)
 
@@ -62,7 +61,7 @@ class Recipe:
         compute_dtype: The dtype the op saw (the QArray dequantizes to it).
     """
 
-    spec: HowToQuantize
+    spec: qcore.HowToQuantize
     transforms: tuple[Transform, ...]
     shape: tuple[int, ...]
     dtype: np.dtype
@@ -81,7 +80,7 @@ class QuantizedParam:
 
     __slots__ = ("qarray", "recipe")
 
-    def __init__(self, qarray: QArray, recipe: Recipe) -> None:
+    def __init__(self, qarray: qcore.QArray, recipe: Recipe) -> None:
         self.qarray = qarray
         self.recipe = recipe
 
@@ -175,7 +174,7 @@ def to_compute_layout(value: jax.Array, recipe: Recipe) -> jax.Array:
 
 
 @partial(jax.jit, static_argnums=(1,))
-def _quantize_one(value: jax.Array, recipe: Recipe) -> QArray:
+def _quantize_one(value: jax.Array, recipe: Recipe) -> qcore.QArray:
     return qcore.quantize(to_compute_layout(value, recipe), recipe.spec)
 
 
