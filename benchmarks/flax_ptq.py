@@ -3,12 +3,13 @@
 The model is four ``nn.Dense(4096)`` layers with relu between them (Linen, 4096
 inputs, ~67 M parameters). Every configuration is the whole model under
 ``jax.jit``, timed for ``--reps`` calls after warm-up (median, p10, p90), at
-batch 1 and batch 64, in one process; ratios compare rows measured in the same
-run. "rel L2 err" is ``|y - y_fp32| / |y_fp32|`` on the same input. "params MiB"
-is the sum of ``nbytes`` of the param leaves as stored: qflax's int4 codes are
-packed two per byte in ``uint8``; Qwix keeps int4 codes in ``jnp.int4`` arrays,
-whose ``nbytes`` reports one byte per code (DESIGN.md: they appear to be stored
-packed in host memory), so that row also gives the packed size in brackets.
+batch 1 and batch 64, in one process, in rounds of one call per configuration
+(so slow drifts of a shared machine hit every configuration alike); ratios
+compare rows measured in the same run. "rel L2 err" is ``|y - y_fp32| / |y_fp32|``
+on the same input. "params MiB" is the sum of ``nbytes`` of the param leaves as
+stored: qflax's int4 codes are packed two per byte in ``uint8``; Qwix keeps int4
+codes in ``jnp.int4`` arrays, whose ``nbytes`` reports one byte per code (DESIGN.md:
+they appear to be stored packed in host memory), so that row also gives the packed size in brackets.
 
 Configurations (weights quantized ahead of time with one scale per output
 channel, activations at call time):
@@ -96,6 +97,23 @@ def param_bytes(params: Any) -> tuple[int, int]:
     return int(stored), int(packed)
 
 
+def round_robin(
+    configs: dict[str, tuple[Callable, Any]], x: jax.Array, reps: int, warmup: int
+) -> dict[str, list[float]]:
+    """Milliseconds per call of every config, timed one call each per round.
+
+    Interleaving the configs spreads the slow drifts of a shared machine over all
+    of them, so the ratios of one run are fair even when its absolute times move.
+    """
+    for fn, p in configs.values():
+        time_impl(fn, x, [p], 1, warmup)
+    times: dict[str, list[float]] = {name: [] for name in configs}
+    for _ in range(reps):
+        for name, (fn, p) in configs.items():
+            times[name] += time_impl(fn, x, [p], 1, 0)
+    return times
+
+
 def main(argv: list[str] | None = None) -> int:
     """Runs the benchmark; returns the exit code."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -133,17 +151,17 @@ def main(argv: list[str] | None = None) -> int:
     for batch in BATCHES:
         x = jax.random.normal(jax.random.key(batch), (batch, WIDTH))
         ref = np.asarray(configs["fp32"][0](x, params), np.float64)
+        times = round_robin(configs, x, args.reps, args.warmup)
         for name, (fn, p) in configs.items():
-            times = time_impl(fn, x, [p], args.reps, args.warmup)
             y = np.asarray(fn(x, p).astype(jnp.float32), np.float64)
             stored, packed = param_bytes(p)
             rows.append(
                 {
                     "batch": batch,
                     "config": name,
-                    "median_ms": statistics.median(times),
-                    "p10_ms": float(np.percentile(times, 10)),
-                    "p90_ms": float(np.percentile(times, 90)),
+                    "median_ms": statistics.median(times[name]),
+                    "p10_ms": float(np.percentile(times[name], 10)),
+                    "p90_ms": float(np.percentile(times[name], 90)),
                     "rel_l2_error": float(np.linalg.norm(y - ref) / np.linalg.norm(ref)),
                     "param_bytes": stored,
                     "param_bytes_packed": packed,
@@ -200,7 +218,7 @@ def update_readme(data: dict[str, Any], path: Path) -> None:
             f"Measured {m['date']} on {m['cpu']} ({m['cores']} cores), Python {m['python']}, "
             f"jax {m['jax']}, qflax {m['qflax']}, Qwix {m['qwix']}; GLIBC_TUNABLES "
             f"{m['GLIBC_TUNABLES']}, XLA_FLAGS {m['XLA_FLAGS']}. Median of {m['reps']} "
-            "calls of the jitted model after warm-up.",
+            "calls of the jitted model after warm-up, in rounds of one call per config.",
             "",
             table(data["rows"]),
         ]
