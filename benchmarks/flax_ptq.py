@@ -38,13 +38,12 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-from ops import machine, time_impl
+from ops import load_qwix, machine, replace_section, time_impl
 
 import qflax
 
 HERE = Path(__file__).resolve().parent
 WIDTH, LAYERS, BATCHES = 4096, 4, (1, 64)
-MARKERS = ("<!-- flax:begin -->", "<!-- flax:end -->")
 
 
 class Stack(nn.Module):
@@ -125,12 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.reps < 5:
         parser.error(f"--reps must be >= 5, got {args.reps}")
-    qwix = None
-    if not args.no_qwix:
-        try:
-            import qwix  # noqa: PLC0415 - optional comparison
-        except ImportError:
-            print("qwix not installed: comparison skipped (nox -s bench installs it)")
+    qwix = load_qwix(args.no_qwix)
     info = machine() | {"qwix": getattr(qwix, "__version__", None), "qflax": qflax.__version__}
     info |= {"date": datetime.date.today().isoformat(), "reps": args.reps}
     print(json.dumps(info, indent=1))
@@ -205,14 +199,8 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 
 def update_readme(data: dict[str, Any], path: Path) -> None:
-    """Replaces the text between the flax markers of benchmarks/README.md."""
+    """Replaces the flax table of benchmarks/README.md."""
     m = data["machine"]
-    text = path.read_text()
-    begin, end = MARKERS
-    if begin not in text or end not in text:
-        raise SystemExit(f"{path} has no {begin} ... {end} section to update")
-    head, rest = text.split(begin, 1)
-    _, tail = rest.split(end, 1)
     body = "\n".join(
         [
             f"Measured {m['date']} on {m['cpu']} ({m['cores']} cores), Python {m['python']}, "
@@ -223,7 +211,7 @@ def update_readme(data: dict[str, Any], path: Path) -> None:
             table(data["rows"]),
         ]
     )
-    path.write_text(f"{head}{begin}\n{body}\n{end}{tail}")
+    replace_section(path, "flax", body)
 
 
 if __name__ == "__main__":

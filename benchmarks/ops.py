@@ -259,15 +259,32 @@ def report(data: dict[str, Any]) -> str:
     )
 
 
-def update_readme(data: dict[str, Any], path: Path) -> None:
-    """Replaces the text between the ops markers of benchmarks/README.md."""
-    begin, end = "<!-- ops:begin -->", "<!-- ops:end -->"
+def replace_section(path: Path, name: str, body: str) -> None:
+    """Replaces the text between ``<!-- name:begin -->`` and ``<!-- name:end -->``."""
+    begin, end = f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
     text = path.read_text()
     if begin not in text or end not in text:
         raise SystemExit(f"{path} has no {begin} ... {end} section to update")
     head, rest = text.split(begin, 1)
     _, tail = rest.split(end, 1)
-    path.write_text(f"{head}{begin}\n{report(data)}\n{end}{tail}")
+    path.write_text(f"{head}{begin}\n{body}\n{end}{tail}")
+
+
+def update_readme(data: dict[str, Any], path: Path) -> None:
+    """Replaces the ops table of benchmarks/README.md."""
+    replace_section(path, "ops", report(data))
+
+
+def load_qwix(skip: bool) -> Any:
+    """The qwix module for the comparison rows, or None (skipped or not installed)."""
+    if skip:
+        return None
+    try:
+        import qwix  # noqa: PLC0415 - optional comparison
+    except ImportError:
+        print("qwix not installed: comparison skipped (nox -s bench installs it)")
+        return None
+    return qwix
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -293,12 +310,7 @@ def main(argv: list[str] | None = None) -> int:
         args.reps = 5
     if args.reps < 5:
         parser.error(f"--reps must be >= 5, got {args.reps}")
-    qwix = None
-    if not args.no_qwix:
-        try:
-            import qwix  # noqa: PLC0415 - optional comparison
-        except ImportError:
-            print("qwix not installed: comparison skipped (nox -s bench installs it)")
+    qwix = load_qwix(args.no_qwix)
     info = machine() | {"qwix": getattr(qwix, "__version__", None)}
     info |= {"date": datetime.date.today().isoformat(), "reps": args.reps, "ring": args.ring}
     print(json.dumps(info, indent=1))

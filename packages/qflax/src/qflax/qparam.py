@@ -75,10 +75,29 @@ class Recipe:
         return tuple(shape)
 
 
-class QuantizedParam:
+class _Recorded:
+    """A pytree of one child (named by ``_child``) with a static ``recipe``."""
+
+    __slots__ = ()
+    _child = ""
+
+    def tree_flatten_with_keys(self):  # noqa: D102 - pytree protocol
+        child = getattr(self, self._child)
+        return ((jax.tree_util.GetAttrKey(self._child), child),), self.recipe  # type: ignore[attr-defined]
+
+    @classmethod
+    def tree_unflatten(cls, recipe, children):  # noqa: D102 - pytree protocol
+        obj = object.__new__(cls)
+        setattr(obj, cls._child, children[0])
+        obj.recipe = recipe  # type: ignore[attr-defined]
+        return obj
+
+
+class QuantizedParam(_Recorded):
     """A quantized weight in the param tree: a QArray plus its :class:`Recipe`."""
 
     __slots__ = ("qarray", "recipe")
+    _child = "qarray"
 
     def __init__(self, qarray: qcore.QArray, recipe: Recipe) -> None:
         self.qarray = qarray
@@ -114,15 +133,6 @@ class QuantizedParam:
             f"compute shape={self.recipe.compute_shape()}{packed})"
         )
 
-    def tree_flatten_with_keys(self):  # noqa: D102 - pytree protocol
-        return ((jax.tree_util.GetAttrKey("qarray"), self.qarray),), self.recipe
-
-    @classmethod
-    def tree_unflatten(cls, recipe, children):  # noqa: D102 - pytree protocol
-        obj = object.__new__(cls)
-        obj.qarray, obj.recipe = children[0], recipe
-        return obj
-
 
 jax.tree_util.register_pytree_with_keys_class(QuantizedParam)
 
@@ -140,10 +150,11 @@ class ScaleRecipe:
     stat: str
 
 
-class ActScale:
+class ActScale(_Recorded):
     """A stored static activation scale (per tensor) and its :class:`ScaleRecipe`."""
 
     __slots__ = ("recipe", "scale")
+    _child = "scale"
 
     def __init__(self, scale: jax.Array, recipe: ScaleRecipe) -> None:
         self.scale = scale
@@ -151,15 +162,6 @@ class ActScale:
 
     def __repr__(self) -> str:
         return f"ActScale({self.recipe.qtype}, from {self.recipe.stat!r})"
-
-    def tree_flatten_with_keys(self):  # noqa: D102 - pytree protocol
-        return ((jax.tree_util.GetAttrKey("scale"), self.scale),), self.recipe
-
-    @classmethod
-    def tree_unflatten(cls, recipe, children):  # noqa: D102 - pytree protocol
-        obj = object.__new__(cls)
-        obj.scale, obj.recipe = children[0], recipe
-        return obj
 
 
 jax.tree_util.register_pytree_with_keys_class(ActScale)
