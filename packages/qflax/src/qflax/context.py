@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -219,8 +220,6 @@ def _linen_args(args: tuple, kwargs: dict, names: tuple[str, ...]) -> tuple:
 
 def _nnx_owner(var: nnx.Variable) -> tuple[nnx.Module, str] | None:
     """The labelled module on the stack that holds ``var``, and the attribute name."""
-    import sys  # noqa: PLC0415
-
     frame = sys._getframe(2)  # noqa: SLF001
     while frame is not None:
         obj = frame.f_locals.get("self")
