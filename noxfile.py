@@ -31,6 +31,7 @@ DEMO_DEPS = ["matplotlib", "scikit-learn"]
 PACKAGES: dict[str, list[str]] = {
     "qcore": [],
     "qflax": ["qcore"],
+    "qlitert": ["qcore", "qflax"],
 }
 # Optional extras installed wherever a package is installed editable here (the
 # tests and the type checker cover the code behind them).

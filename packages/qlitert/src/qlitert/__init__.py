@@ -1,0 +1,30 @@
+"""qlitert: full-integer LiteRT (``.tflite``) export of quantized JAX models.
+
+Annotate a function's quantization with :mod:`qlitert.qdq` (``quant.fake_quant``
+composites with static scales), then :func:`export` converts it with
+litert-converter and validates the result (integer kernels only, outputs within
+one step of JAX); :func:`inspect` lists a model's ops and tensors;
+:class:`LiteRTModel` runs it with the LiteRT interpreter; :func:`save` writes it
+atomically.
+"""
+
+from qlitert import converter, qdq
+from qlitert.export import ExportError, check_agreement, check_kernels, export, save
+from qlitert.inspection import ModelReport, inspect
+from qlitert.runtime import LiteRTModel
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ExportError",
+    "LiteRTModel",
+    "ModelReport",
+    "__version__",
+    "check_agreement",
+    "check_kernels",
+    "converter",
+    "export",
+    "inspect",
+    "qdq",
+    "save",
+]

@@ -1,0 +1,190 @@
+"""``export``: a JAX function with quantization annotations → a validated ``.tflite``.
+
+The function must close over its parameters (passed as arguments they would
+become float model inputs and the kernels would stay float) and quantize with
+:mod:`qlitert.qdq`. It is exported with ``jax.export`` at the static shapes of
+the example inputs (composites with symbolic shapes fail to export in jax 0.10.2,
+jax-ml/jax#40486), converted (:mod:`qlitert.converter`), and then validated:
+
+* every op computes in the allowed integer types (``INT32`` is allowed for
+  biases and accumulators); float tensors may only enter a ``QUANTIZE`` at the
+  inputs or leave a ``DEQUANTIZE`` at the outputs, so there is no ``DEQUANTIZE``
+  in the middle of the graph;
+* on the example inputs, the LiteRT interpreter's outputs agree with the JAX
+  function within one output quantization step on at least 95% of the values and
+  within two everywhere.
+
+A model that fails raises :class:`ExportError` with a report naming the
+offending ops.
+
+Example:
+    >>> import jax.numpy as jnp, numpy as np
+    >>> import qlitert
+    >>> from qlitert import qdq
+    >>> w = np.linspace(-1, 1, 12, dtype=np.float32).reshape(4, 3)
+    >>> s_in, z_in = qdq.activation_params(-2, 2)
+    >>> s_out, z_out = qdq.activation_params(-4, 4)
+    >>> def f(x):
+    ...     wq = qdq.fake_quant(
+    ...         jnp.asarray(w.T), qdq.weight_scales(w.T, 0), narrow_range=True, axis=0
+    ...     )
+    ...     return qdq.fake_quant(qdq.fake_quant(x, s_in, z_in) @ wq.T, s_out, z_out)
+    >>> tfl = qlitert.export(f, np.ones((2, 4), np.float32))
+    >>> qlitert.inspect(tfl).op_names()
+    ['QUANTIZE', 'FULLY_CONNECTED', 'DEQUANTIZE']
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+from qlitert import converter
+from qlitert.inspection import ModelReport, inspect
+from qlitert.runtime import LiteRTModel
+
+INTEGER_TYPES = ("INT8", "INT32")
+
+
+class ExportError(ValueError):
+    """The export or its validation failed; the message is the report."""
+
+
+def _spec(x: Any, i: int) -> jax.ShapeDtypeStruct:
+    if isinstance(x, jax.ShapeDtypeStruct):
+        shape = x.shape
+    else:
+        x = np.asarray(x)
+        shape = x.shape
+    if not all(isinstance(d, int) for d in shape):
+        raise ExportError(
+            f"example_inputs[{i}] has a symbolic shape {shape}: export at a static shape "
+            "(e.g. batch 1). jax 0.10.2 cannot export quantization composites with "
+            "symbolic shapes (jax-ml/jax#40486)"
+        )
+    return jax.ShapeDtypeStruct(shape, x.dtype)
+
+
+def export(
+    fn: Callable[..., Any],
+    *example_inputs: Any,
+    input_names: Sequence[str] | None = None,
+    output_names: Sequence[str] | None = None,
+    validate: bool = True,
+    compute_types: Sequence[str] = INTEGER_TYPES,
+) -> bytes:
+    """Exports, converts and validates ``fn`` (see the module docstring).
+
+    Args:
+        fn: The function, parameters closed over, quantization annotated.
+        *example_inputs: Arrays (or ``jax.ShapeDtypeStruct`` with ``validate=False``)
+            fixing the static shapes; with ``validate`` also the validation inputs.
+        input_names: Signature input names (default ``x0, x1, ...``).
+        output_names: Signature output names (default ``y0, y1, ...``).
+        validate: Check kernel types and agreement with JAX.
+        compute_types: Tensor types allowed inside the graph.
+
+    Returns:
+        The ``.tflite`` flatbuffer.
+
+    Raises:
+        ExportError: For symbolic shapes or a failed validation.
+    """
+    if not example_inputs:
+        raise ExportError("export(fn, *example_inputs) needs at least one example input")
+    specs = [_spec(x, i) for i, x in enumerate(example_inputs)]
+    exported = jax.export.export(jax.jit(fn), platforms=["cpu"])(*specs)
+    n_out = len(exported.out_avals)
+    tflite = converter.stablehlo_to_tflite(
+        exported.mlir_module_serialized,
+        input_names=list(input_names or [f"x{i}" for i in range(len(specs))]),
+        output_names=list(output_names or [f"y{i}" for i in range(n_out)]),
+    )
+    if validate:
+        if any(isinstance(x, jax.ShapeDtypeStruct) for x in example_inputs):
+            raise ExportError("validate=True needs concrete example inputs (arrays)")
+        problems = check_kernels(inspect(tflite), compute_types)
+        problems += check_agreement(tflite, fn, example_inputs)
+        if problems:
+            raise ExportError("the converted model failed validation:\n" + "\n".join(problems))
+    return tflite
+
+
+def check_kernels(report: ModelReport, compute_types: Sequence[str] = INTEGER_TYPES) -> list[str]:
+    """Problems with the op types: float compute, or a DEQUANTIZE mid-graph."""
+    problems = []
+    graph_inputs, graph_outputs = set(report.inputs), set(report.outputs)
+    allowed = set(compute_types)
+    for k, op in enumerate(report.ops):
+        ins, outs = report.op_types(op)
+        if op.name == "QUANTIZE" and all(i in graph_inputs for i in op.inputs):
+            continue
+        if op.name == "DEQUANTIZE":
+            if all(o in graph_outputs for o in op.outputs):
+                continue
+            problems.append(f"op {k} DEQUANTIZE feeds other ops (a float tensor mid-graph)")
+            continue
+        bad = sorted({t for t in ins + outs if t not in allowed})
+        if bad:
+            problems.append(f"op {k} {op.name} computes in {bad} (inputs {ins}, outputs {outs})")
+    return problems
+
+
+def _output_steps(report: ModelReport) -> list[float]:
+    """The quantization step of each graph output (through a final DEQUANTIZE)."""
+    producer = {o: op for op in report.ops for o in op.outputs}
+    steps = []
+    for out in report.outputs:
+        t = report.tensors[out]
+        op = producer.get(out)
+        if not t.scale and op is not None and op.name == "DEQUANTIZE":
+            t = report.tensors[op.inputs[0]]
+        if not t.scale:
+            raise ExportError(f"output tensor {t.name!r} is not quantized: cannot validate")
+        steps.append(max(t.scale))
+    return steps
+
+
+def check_agreement(tflite: bytes, fn: Callable[..., Any], inputs: Sequence[Any]) -> list[str]:
+    """Problems with the interpreter's outputs against ``fn``'s, in output steps."""
+    model = LiteRTModel(tflite, num_threads=1, quantize_io=False)  # fn's own I/O types
+    got = model(*inputs)
+    got = got if isinstance(got, tuple) else (got,)
+    want = jax.tree.leaves(jax.jit(fn)(*inputs))
+    problems = []
+    for i, (g, w, step) in enumerate(zip(got, want, _output_steps(inspect(tflite)), strict=True)):
+        if np.issubdtype(np.asarray(w).dtype, np.integer):
+            step = 1.0  # integer outputs are codes: one step is one code
+        diff = np.abs(np.asarray(g, np.float64) - np.asarray(w, np.float64)) / step
+        within_one = float(np.mean(diff <= 1.0 + 1e-3))
+        if within_one < 0.95 or float(np.max(diff)) > 2.0 + 1e-3:
+            problems.append(
+                f"output {i}: {within_one:.1%} of values within 1 step of JAX (need 95%), "
+                f"max {float(np.max(diff)):.2f} steps (need <= 2)"
+            )
+    return problems
+
+
+def save(path: str | os.PathLike, tflite: bytes) -> Path:
+    """Writes ``tflite`` to ``path`` atomically: a failure leaves no partial file.
+
+    An existing file at ``path`` is replaced only by a complete new one.
+    """
+    target = Path(path).absolute()
+    tmp = target.with_name(f".{target.name}.tmp-{uuid.uuid4().hex[:8]}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(tflite)
+            f.flush()
+            os.fsync(f.fileno())
+        tmp.replace(target)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return target

@@ -1,0 +1,159 @@
+"""Quantize/dequantize annotations that the LiteRT converter turns into integer kernels.
+
+:func:`fake_quant` returns ``x`` quantized and dequantized with fixed (numpy)
+parameters, as a ``jax.lax.composite`` named ``quant.fake_quant``: JAX runs its
+decomposition, and litert-converter (strict QDQ mode) reads the attributes —
+``scale`` (f32, 1-D), ``zero_point`` (i64, 1-D), ``dtype`` (``"i8"``, ``"i16"``,
+``"i4"``), ``narrow_range`` and, for per-channel scales,
+``quantization_dimension`` — and makes the tensor a quantized one.
+:func:`quantize` / :func:`dequantize` (``quant.quantize`` / ``quant.dequantize``)
+at a function's boundary give a model with integer inputs and outputs.
+
+The decompositions mirror TFLite's kernels, so a converted model agrees with JAX
+within one output step: values are rounded half away from zero (TFLite's
+``QUANTIZE`` uses ``std::round``) and clipped to the code range; weights are
+symmetric and narrow-range (``[-127, 127]``) per output channel; activations are
+asymmetric with zero exactly representable (:func:`activation_params`).
+
+Example:
+    >>> import numpy as np, jax.numpy as jnp
+    >>> from qlitert import qdq
+    >>> scale, zp = qdq.activation_params(-1.0, 3.0)
+    >>> float(scale[0]), int(zp[0])
+    (0.01568627..., -64)
+    >>> qdq.fake_quant(jnp.array([0.0, 0.5, 10.0]), scale, zp).tolist()
+    [0.0, 0.50196..., 3.0]
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+RANGES = {"i8": (-128, 127), "i16": (-32768, 32767), "i4": (-8, 7)}
+STORAGE = {"i8": jnp.int8, "i16": jnp.int16, "i4": jnp.int4}
+
+
+def _check_dtype(dtype: str) -> tuple[int, int]:
+    if dtype not in RANGES:
+        raise ValueError(f"dtype={dtype!r} is not a LiteRT quantized type; allowed: {list(RANGES)}")
+    return RANGES[dtype]
+
+
+def round_half_away(v: jax.Array) -> jax.Array:
+    """Rounds to nearest, ties away from zero (C's ``round``, as TFLite rounds)."""
+    return jnp.sign(v) * jnp.floor(jnp.abs(v) + 0.5)
+
+
+def activation_params(lo: Any, hi: Any, dtype: str = "i8") -> tuple[np.ndarray, np.ndarray]:
+    """TFLite's asymmetric ``(scale, zero_point)`` for the range ``[lo, hi]``.
+
+    The range is widened to contain 0, and the zero point is rounded to an
+    integer code so that 0.0 is exactly representable (TFLite's nudging).
+    Returns 1-element float32 / int64 arrays.
+    """
+    qmin, qmax = _check_dtype(dtype)
+    lo = min(float(np.min(lo)), 0.0)
+    hi = max(float(np.max(hi)), 0.0)
+    scale = (hi - lo) / (qmax - qmin) if hi > lo else 1.0
+    zero_point = int(np.clip(np.round(qmin - lo / scale), qmin, qmax))
+    return np.array([scale], np.float32), np.array([zero_point], np.int64)
+
+
+def weight_scales(w: Any, axis: int, dtype: str = "i8") -> np.ndarray:
+    """Symmetric narrow-range scales, one per index of ``axis`` (``absmax / qmax``)."""
+    _, qmax = _check_dtype(dtype)
+    w = np.asarray(w, np.float32)
+    reduce = tuple(a for a in range(w.ndim) if a != axis % w.ndim)
+    absmax = np.max(np.abs(w), axis=reduce)
+    return np.where(absmax > 0, absmax / qmax, 1.0).astype(np.float32)
+
+
+def _params(scale: Any, zero_point: Any, axis: int | None, ndim: int) -> dict[str, Any]:
+    scale = np.asarray(scale, np.float32).reshape(-1)
+    zp = np.zeros_like(scale, np.int64) if zero_point is None else np.asarray(zero_point)
+    zp = zp.astype(np.int64).reshape(-1)
+    if zp.size != scale.size:
+        raise ValueError(f"zero_point has {zp.size} entries, scale {scale.size}")
+    if not np.all(scale > 0) or not np.all(np.isfinite(scale)):
+        raise ValueError(f"scale must be finite and > 0, got {scale}")
+    attrs: dict[str, Any] = {"scale": scale, "zero_point": zp}
+    if scale.size > 1:
+        if axis is None:
+            raise ValueError(f"{scale.size} scales need axis= (the quantized dimension)")
+        attrs["quantization_dimension"] = int(axis % ndim)
+    return attrs
+
+
+def _broadcast(v: np.ndarray, x: jax.Array, axis: int | None) -> jax.Array:
+    shape = [1] * x.ndim
+    if v.size > 1 and axis is not None:
+        shape[axis % x.ndim] = v.size
+    return jnp.asarray(v, jnp.float32).reshape(shape)
+
+
+def fake_quant(
+    x: jax.Array,
+    scale: Any,
+    zero_point: Any = None,
+    *,
+    narrow_range: bool = False,
+    axis: int | None = None,
+    dtype: str = "i8",
+) -> jax.Array:
+    """``x`` quantized and dequantized, annotated as ``quant.fake_quant``.
+
+    Args:
+        x: A float array.
+        scale: One scale, or one per index of ``axis``.
+        zero_point: Integer zero point(s) like ``scale``; None for 0.
+        narrow_range: Skip the most negative code (symmetric weights).
+        axis: The quantized dimension of per-channel scales.
+        dtype: ``"i8"``, ``"i16"`` or ``"i4"``.
+    """
+    qmin, qmax = _check_dtype(dtype)
+    qmin += int(narrow_range)
+    attrs = _params(scale, zero_point, axis, x.ndim)
+    attrs |= {"dtype": dtype, "narrow_range": bool(narrow_range)}
+
+    def decomposition(x: jax.Array, **a: Any) -> jax.Array:
+        s = _broadcast(a["scale"], x, axis)
+        z = _broadcast(a["zero_point"].astype(np.float32), x, axis)
+        q = jnp.clip(round_half_away(x.astype(jnp.float32) / s) + z, qmin, qmax)
+        return ((q - z) * s).astype(x.dtype)
+
+    return jax.lax.composite(decomposition, name="quant.fake_quant")(x, **attrs)
+
+
+def quantize(x: jax.Array, scale: Any, zero_point: Any = None, *, dtype: str = "i8") -> jax.Array:
+    """Float → integer codes, annotated as ``quant.quantize`` (a model's int input)."""
+    qmin, qmax = _check_dtype(dtype)
+    attrs = _params(scale, zero_point, None, x.ndim) | {"dtype": dtype, "narrow_range": False}
+    if attrs["scale"].size != 1:
+        raise ValueError("quantize() takes one scale (model inputs are quantized per tensor)")
+
+    # Python scalars, not arrays: the converter does not recognise a boundary
+    # composite whose decomposition multiplies by a broadcast array constant.
+    def decomposition(x: jax.Array, **a: Any) -> jax.Array:
+        s, z = float(a["scale"][0]), float(a["zero_point"][0])
+        q = jnp.clip(round_half_away(x.astype(jnp.float32) / s) + z, qmin, qmax)
+        return q.astype(STORAGE[dtype])
+
+    return jax.lax.composite(decomposition, name="quant.quantize")(x, **attrs)
+
+
+def dequantize(q: jax.Array, scale: Any, zero_point: Any = None, *, dtype: str = "i8") -> jax.Array:
+    """Integer codes → float, annotated as ``quant.dequantize`` (a model's int output)."""
+    _check_dtype(dtype)
+    attrs = _params(scale, zero_point, None, q.ndim) | {"dtype": dtype, "narrow_range": False}
+    if attrs["scale"].size != 1:
+        raise ValueError("dequantize() takes one scale (model outputs are quantized per tensor)")
+
+    def decomposition(q: jax.Array, **a: Any) -> jax.Array:
+        s, z = float(a["scale"][0]), float(a["zero_point"][0])  # scalars: see quantize
+        return (q.astype(jnp.float32) - z) * s
+
+    return jax.lax.composite(decomposition, name="quant.dequantize")(q, **attrs)

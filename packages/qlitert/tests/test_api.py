@@ -1,0 +1,31 @@
+"""The public API is pinned, and importing qlitert pulls in no TensorFlow."""
+
+import subprocess
+import sys
+
+import qlitert
+
+
+def test_public_api_is_pinned():
+    assert set(qlitert.__all__) == {
+        "ExportError",
+        "LiteRTModel",
+        "ModelReport",
+        "__version__",
+        "check_agreement",
+        "check_kernels",
+        "converter",
+        "export",
+        "inspect",
+        "qdq",
+        "save",
+    }
+
+
+def test_importing_qlitert_imports_neither_tensorflow_nor_the_converter():
+    code = (
+        "import sys, qlitert; print(sorted(m for m in sys.modules if m.split('.')[0] in "
+        "{'tensorflow', 'litert_converter', 'ai_edge_litert', 'qtorchlike'}))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
