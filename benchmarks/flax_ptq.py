@@ -3,8 +3,8 @@
 The model is four ``nn.Dense(4096)`` layers with relu between them (Linen, 4096
 inputs, ~67 M parameters). Every configuration is the whole model under
 ``jax.jit``, timed for ``--reps`` calls after warm-up (median, p10, p90), at
-batch 1 and batch 64, in one process, in rounds of one call per configuration
-(so slow drifts of a shared machine hit every configuration alike); ratios
+batch 1 and batch 64, in one process, in rounds of one (warm) call per
+configuration (so slow drifts of a shared machine hit every configuration alike); ratios
 compare rows measured in the same run. "rel L2 err" is ``|y - y_fp32| / |y_fp32|``
 on the same input. "params MiB" is the sum of ``nbytes`` of the param leaves as
 stored: qflax's int4 codes are packed two per byte in ``uint8``; Qwix keeps int4
@@ -103,13 +103,15 @@ def round_robin(
 
     Interleaving the configs spreads the slow drifts of a shared machine over all
     of them, so the ratios of one run are fair even when its absolute times move.
+    Each turn makes one untimed call first, so the timed call finds the model's
+    code and data warm (as a server calling one model repeatedly does).
     """
     for fn, p in configs.values():
         time_impl(fn, x, [p], 1, warmup)
     times: dict[str, list[float]] = {name: [] for name in configs}
     for _ in range(reps):
         for name, (fn, p) in configs.items():
-            times[name] += time_impl(fn, x, [p], 1, 0)
+            times[name] += time_impl(fn, x, [p], 1, 1)
     return times
 
 
@@ -206,7 +208,7 @@ def update_readme(data: dict[str, Any], path: Path) -> None:
             f"Measured {m['date']} on {m['cpu']} ({m['cores']} cores), Python {m['python']}, "
             f"jax {m['jax']}, qflax {m['qflax']}, Qwix {m['qwix']}; GLIBC_TUNABLES "
             f"{m['GLIBC_TUNABLES']}, XLA_FLAGS {m['XLA_FLAGS']}. Median of {m['reps']} "
-            "calls of the jitted model after warm-up, in rounds of one call per config.",
+            "warm calls of the jitted model, in rounds of one call per config.",
             "",
             table(data["rows"]),
         ]
