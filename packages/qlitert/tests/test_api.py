@@ -8,10 +8,14 @@ import qlitert
 
 def test_public_api_is_pinned():
     assert set(qlitert.__all__) == {
+        "Calibration",
         "ExportError",
         "LiteRTModel",
         "ModelReport",
+        "UnsupportedOpError",
         "__version__",
+        "annotate",
+        "calibrate",
         "check_agreement",
         "check_kernels",
         "converter",

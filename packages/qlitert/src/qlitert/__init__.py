@@ -1,7 +1,8 @@
 """qlitert: full-integer LiteRT (``.tflite``) export of quantized JAX models.
 
-Annotate a function's quantization with :mod:`qlitert.qdq` (``quant.fake_quant``
-composites with static scales), then :func:`export` converts it with
+Calibrate a function (:func:`calibrate`) and annotate it (:func:`annotate`) — or
+annotate its quantization by hand with :mod:`qlitert.qdq` (``quant.fake_quant``
+composites with static scales) — then :func:`export` converts it with
 litert-converter and validates the result (integer kernels only, outputs within
 one step of JAX); :func:`inspect` lists a model's ops and tensors;
 :class:`LiteRTModel` runs it with the LiteRT interpreter; :func:`save` writes it
@@ -9,6 +10,7 @@ atomically.
 """
 
 from qlitert import converter, qdq
+from qlitert.annotate import Calibration, UnsupportedOpError, annotate, calibrate
 from qlitert.export import ExportError, check_agreement, check_kernels, export, save
 from qlitert.inspection import ModelReport, inspect
 from qlitert.runtime import LiteRTModel
@@ -16,10 +18,14 @@ from qlitert.runtime import LiteRTModel
 __version__ = "0.1.0"
 
 __all__ = [
+    "Calibration",
     "ExportError",
     "LiteRTModel",
     "ModelReport",
+    "UnsupportedOpError",
     "__version__",
+    "annotate",
+    "calibrate",
     "check_agreement",
     "check_kernels",
     "converter",

@@ -103,6 +103,7 @@ def fake_quant(
     narrow_range: bool = False,
     axis: int | None = None,
     dtype: str = "i8",
+    round_codes: bool = False,
 ) -> jax.Array:
     """``x`` quantized and dequantized, annotated as ``quant.fake_quant``.
 
@@ -113,6 +114,9 @@ def fake_quant(
         narrow_range: Skip the most negative code (symmetric weights).
         axis: The quantized dimension of per-channel scales.
         dtype: ``"i8"``, ``"i16"`` or ``"i4"``.
+        round_codes: Round ``x / scale + zero_point`` (kernels that average codes,
+            like ``AVERAGE_POOL_2D``) instead of ``x / scale`` (``QUANTIZE``). Only
+            JAX's numerics change; the annotation is the same.
     """
     qmin, qmax = _check_dtype(dtype)
     qmin += int(narrow_range)
@@ -122,7 +126,9 @@ def fake_quant(
     def decomposition(x: jax.Array, **a: Any) -> jax.Array:
         s = _broadcast(a["scale"], x, axis)
         z = _broadcast(a["zero_point"].astype(np.float32), x, axis)
-        q = jnp.clip(round_half_away(x.astype(jnp.float32) / s) + z, qmin, qmax)
+        v = x.astype(jnp.float32) / s
+        q = round_half_away(v + z) if round_codes else round_half_away(v) + z
+        q = jnp.clip(q, qmin, qmax)
         return ((q - z) * s).astype(x.dtype)
 
     return jax.lax.composite(decomposition, name="quant.fake_quant")(x, **attrs)

@@ -1,0 +1,305 @@
+"""Static-range int8 annotation of a JAX function for LiteRT: calibrate, then annotate.
+
+Works on the function's jaxpr, so any Flax (Linen or NNX) or plain JAX model
+whose parameters are closed over can be converted::
+
+    fn = lambda x: model.apply(params, x)
+    cal = calibrate(fn, batches)  # per-tensor ranges of every activation
+    tfl = qlitert.export(annotate(fn, cal), example)
+
+:func:`annotate` inserts :func:`qlitert.qdq.fake_quant` where TFLite's integer
+kernels quantize (*tensor-centric*: each site is an op's output):
+
+* the inputs; weights of ``dot_general`` / ``conv_general_dilated`` (symmetric,
+  narrow range, one scale per output channel);
+* the output of a matmul or convolution *after* a following bias add and ReLU /
+  ReLU6 (TFLite fuses them, so no quantization sits between);
+* the output of every other computing op (add, sub, mul, concatenate, tanh,
+  logistic...), and of means (``reduce_sum`` followed by a division, which the
+  converter turns into ``MEAN``);
+* nothing new after scale-preserving ops (reshape, transpose, squeeze, slicing,
+  max pooling, and average pooling — ``reduce_window_sum`` and a division, which
+  becomes ``AVERAGE_POOL_2D``, requantized to its input's scale): they keep their
+  input's scale, as TFLite's kernels do.
+
+Ranges are moving averages of each batch's min and max (:func:`calibrate`).
+``strict=True`` raises on an op this module cannot quantize, naming the op and
+the module path (Linen name stack). Ops not supported yet: softmax, layer norm,
+gelu and other composite activations.
+
+Example:
+    >>> import flax.linen as nn, jax, jax.numpy as jnp, numpy as np
+    >>> import qlitert
+    >>> model = nn.Sequential([nn.Dense(16), nn.relu, nn.Dense(4)])
+    >>> x = np.random.default_rng(0).normal(size=(8, 8)).astype(np.float32)
+    >>> params = model.init(jax.random.key(0), x)
+    >>> fn = lambda x: model.apply(params, x)
+    >>> cal = qlitert.calibrate(fn, [x])
+    >>> tfl = qlitert.export(qlitert.annotate(fn, cal), x)
+    >>> qlitert.inspect(tfl).op_names()
+    ['QUANTIZE', 'FULLY_CONNECTED', 'FULLY_CONNECTED', 'DEQUANTIZE']
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import extend as jex
+
+from qlitert import qdq
+
+# Ops whose output has its input's scale (TFLite shares it).
+PRESERVING = {
+    "reshape", "transpose", "squeeze", "expand_dims", "slice", "dynamic_slice",
+    "reduce_window_max", "copy", "copy_p",
+}  # fmt: skip
+# Ops that compute a new value: inputs quantized, output quantized at its own range.
+COMPUTING = {
+    "add", "sub", "mul", "concatenate", "tanh", "logistic", "max", "min", "neg",
+    "square", "rsqrt", "sqrt", "exp", "abs",
+}  # fmt: skip
+CALLS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
+
+
+class UnsupportedOpError(ValueError):
+    """An op qlitert cannot quantize for LiteRT (strict mode)."""
+
+
+@dataclasses.dataclass
+class Calibration:
+    """Per-site activation ranges: moving averages of per-batch min and max.
+
+    Attributes:
+        ranges: ``site -> [lo, hi]``.
+        counts: ``site -> batches seen``.
+        momentum: Weight of the old value once ``1 / (1 - momentum)`` batches were
+            seen (a cumulative average before that).
+    """
+
+    ranges: dict[str, list[float]] = dataclasses.field(default_factory=dict)
+    counts: dict[str, int] = dataclasses.field(default_factory=dict)
+    momentum: float = 0.99
+
+    def observe(self, site: str, x: Any) -> None:
+        """Folds one batch's range of ``x`` into ``site``'s moving average."""
+        lo, hi = float(np.min(x)), float(np.max(x))
+        n = self.counts.get(site, 0)
+        rate = max(1.0 / (n + 1), 1.0 - self.momentum)
+        old = self.ranges.get(site, [lo, hi])
+        self.ranges[site] = [old[0] + (lo - old[0]) * rate, old[1] + (hi - old[1]) * rate]
+        self.counts[site] = n + 1
+
+    def params(self, site: str) -> tuple[np.ndarray, np.ndarray]:
+        """TFLite ``(scale, zero_point)`` of a calibrated site.
+
+        Raises:
+            KeyError: If no calibration batch reached the site.
+        """
+        if site not in self.ranges:
+            raise KeyError(
+                f"site {site!r} was never calibrated: run calibrate() on the same function"
+            )
+        return qdq.activation_params(*self.ranges[site])
+
+
+@dataclasses.dataclass
+class _Q:
+    """How a value is represented: const (a weight), q (quantized), pending, float."""
+
+    kind: str
+    scale: Any = None
+    zero_point: Any = None
+    inherit: bool = False  # pending with its input's scale (average pooling)
+
+
+class _Interpreter:
+    """Runs a jaxpr, inserting (annotate) or observing (calibrate) quantization sites."""
+
+    def __init__(self, calibration: Calibration, *, observe: bool, strict: bool) -> None:
+        self.cal, self.observing, self.strict = calibration, observe, strict
+        self.counter = 0
+
+    def site(self, x: Any, eqn: Any | None, label: str) -> tuple[Any, _Q]:
+        where = "" if eqn is None else str(eqn.source_info.name_stack)
+        key = f"{self.counter}:{label}@{where}"
+        self.counter += 1
+        if self.observing:
+            self.cal.observe(key, np.asarray(x))
+            return x, _Q("q")
+        scale, zp = self.cal.params(key)
+        return qdq.fake_quant(x, scale, zp), _Q("q", scale, zp)
+
+    def materialize(self, x: Any, q: _Q, eqn: Any, label: str) -> tuple[Any, _Q]:
+        if q.inherit:  # TFLite's AVERAGE_POOL_2D keeps its input's scale: no new site
+            done = _Q("q", q.scale, q.zero_point)
+            if self.observing:
+                return x, done
+            return qdq.fake_quant(x, q.scale, q.zero_point, round_codes=True), done
+        if q.kind in ("pending", "float"):
+            return self.site(x, eqn, label)
+        if q.kind == "const":
+            return self.site(x, eqn, f"{label}.const")
+        return x, q
+
+    def weight(self, w: Any, axis: int | None) -> Any:
+        if self.observing:
+            return w
+        w = np.asarray(w, np.float32)
+        if axis is None:
+            scale = np.array([max(float(np.max(np.abs(w))), 1e-12) / 127], np.float32)
+            return qdq.fake_quant(jnp.asarray(w), scale, narrow_range=True)
+        return qdq.fake_quant(
+            jnp.asarray(w), qdq.weight_scales(w, axis), narrow_range=True, axis=axis
+        )
+
+    def run(
+        self, jaxpr: Any, consts: list[Any], args: list[tuple[Any, _Q]]
+    ) -> list[tuple[Any, _Q]]:
+        env: dict[Any, tuple[Any, _Q]] = {}
+
+        def read(v: Any) -> tuple[Any, _Q]:
+            if isinstance(v, jex.core.Literal):
+                return v.val, _Q("const")
+            return env[v]
+
+        for v, c in zip(jaxpr.constvars, consts, strict=True):
+            env[v] = (c, _Q("const"))
+        for v, a in zip(jaxpr.invars, args, strict=True):
+            env[v] = a
+        for eqn in jaxpr.eqns:
+            ins = [read(v) for v in eqn.invars]
+            outs = self.eqn(eqn, ins)
+            for v, o in zip(eqn.outvars, outs, strict=True):
+                env[v] = o
+        return [read(v) for v in jaxpr.outvars]
+
+    def eqn(self, eqn: Any, ins: list[tuple[Any, _Q]]) -> list[tuple[Any, _Q]]:
+        name = eqn.primitive.name
+        values = [x for x, _ in ins]
+        kinds = [q.kind for _, q in ins]
+        inner = next((eqn.params[k] for k in CALLS if k in eqn.params), None)
+        if inner is not None:
+            closed = inner if hasattr(inner, "jaxpr") else None
+            jaxpr = closed.jaxpr if closed is not None else inner
+            consts = list(closed.consts) if closed is not None else []
+            skip = eqn.params.get("num_consts", 0) if name.startswith("custom_vjp") else 0
+            return self.run(jaxpr, consts, ins[skip:] if skip else ins)
+        if all(k == "const" for k in kinds):  # constant folding (bias reshapes...)
+            return [(o, _Q("const")) for o in _bind(eqn, values)]
+        if name in ("dot_general", "conv_general_dilated"):
+            return [self.contraction(eqn, ins)]
+        if name == "add" and sorted(kinds) == ["const", "pending"]:
+            return [(_bind(eqn, values)[0], _Q("pending"))]  # bias add: fused
+        if name in ("max", "min") and sorted(kinds) == ["const", "pending"]:
+            return [(_bind(eqn, values)[0], _Q("pending"))]  # ReLU / ReLU6: fused
+        if name == "reduce_window_sum":  # average pool (with the div): input's scale
+            x, q = self.materialize(values[0], ins[0][1], eqn, name)
+            return [(_bind(eqn, [x])[0], _Q("pending", q.scale, q.zero_point, inherit=True))]
+        if name == "reduce_sum":  # mean (with the div): a new scale
+            x, _ = self.materialize(values[0], ins[0][1], eqn, name)
+            return [(_bind(eqn, [x])[0], _Q("pending"))]
+        if name == "div" and kinds == ["pending", "const"]:
+            return [(_bind(eqn, values)[0], ins[0][1])]
+        if name in PRESERVING and kinds[0] in ("q", "pending", "float"):
+            x, q = self.materialize(values[0], ins[0][1], eqn, name)
+            return [(o, q) for o in _bind(eqn, [x, *values[1:]])]
+        if name == "convert_element_type" and jnp.issubdtype(eqn.params["new_dtype"], jnp.floating):
+            return [ins[0]]
+        if name in COMPUTING:
+            xs = [self.materialize(x, q, eqn, name)[0] for x, q in ins]
+            out = _bind(eqn, xs)[0]
+            return [self.site(out, eqn, name)]
+        if self.strict:
+            raise UnsupportedOpError(
+                f"op {name!r} in module {str(eqn.source_info.name_stack) or '(top level)'!r} "
+                "cannot be quantized for LiteRT by qlitert yet; pass strict=False to leave "
+                "it in float"
+            )
+        xs = [self.materialize(x, q, eqn, name)[0] for x, q in ins]
+        return [(o, _Q("float")) for o in _bind(eqn, xs)]
+
+    def contraction(self, eqn: Any, ins: list[tuple[Any, _Q]]) -> tuple[Any, _Q]:
+        (a, qa), (b, qb) = ins
+        name = eqn.primitive.name
+        if qa.kind == "const" and qb.kind != "const":
+            raise UnsupportedOpError(
+                f"{name} with the weight on the left in module "
+                f"{str(eqn.source_info.name_stack)!r}: TFLite kernels take it on the right"
+            )
+        a, _ = self.materialize(a, qa, eqn, f"{name}.lhs")
+        if qb.kind == "const":
+            b = self.weight(b, _out_axis(eqn, np.ndim(b)))
+        else:
+            b, _ = self.materialize(b, qb, eqn, f"{name}.rhs")
+        return _bind(eqn, [a, b])[0], _Q("pending")
+
+
+def _out_axis(eqn: Any, ndim: int) -> int | None:
+    """The weight's output-channel axis (None: several, use one scale)."""
+    if eqn.primitive.name == "conv_general_dilated":
+        return int(eqn.params["dimension_numbers"].rhs_spec[0])
+    (_, rc), (_, rb) = eqn.params["dimension_numbers"]
+    free = [i for i in range(ndim) if i not in rc and i not in rb]
+    return free[0] if len(free) == 1 and not rb else None
+
+
+def _bind(eqn: Any, values: list[Any]) -> list[Any]:
+    out = eqn.primitive.bind(*values, **eqn.params)
+    return list(out) if eqn.primitive.multiple_results else [out]
+
+
+def _interpret(fn: Callable[..., Any], inputs: tuple, interp: _Interpreter) -> Any:
+    closed = jax.make_jaxpr(fn)(*inputs)
+    args = [interp.site(x, None, f"input{i}") for i, x in enumerate(inputs)]
+    outs = interp.run(closed.jaxpr, list(closed.consts), args)
+    results = []
+    for i, (x, q) in enumerate(outs):
+        if q.kind != "q":
+            x, q = interp.site(x, None, f"output{i}")
+        results.append(x)
+    return jax.tree.unflatten(jax.tree.structure(jax.eval_shape(fn, *inputs)), results)
+
+
+def calibrate(
+    fn: Callable[..., Any],
+    batches: Iterable[Any],
+    *,
+    momentum: float = 0.99,
+    strict: bool = True,
+) -> Calibration:
+    """Ranges of every quantization site of ``fn`` over ``batches`` (float model).
+
+    Args:
+        fn: The function, parameters closed over.
+        batches: Inputs: arrays, or tuples of arrays for several inputs.
+        momentum: See :class:`Calibration`.
+        strict: As in :func:`annotate` (use the same value for both).
+    """
+    cal = Calibration(momentum=momentum)
+    for batch in batches:
+        inputs = batch if isinstance(batch, tuple) else (batch,)
+        interp = _Interpreter(cal, observe=True, strict=strict)
+        _interpret(fn, tuple(np.asarray(x) for x in inputs), interp)
+    if not cal.counts:
+        raise ValueError("batches is empty: calibrate needs at least one batch")
+    return cal
+
+
+def annotate(
+    fn: Callable[..., Any], calibration: Calibration, *, strict: bool = True
+) -> Callable[..., Any]:
+    """``fn`` with fake quantization at every TFLite quantization site.
+
+    Raises:
+        UnsupportedOpError: In strict mode, for an op that cannot be quantized.
+    """
+
+    def annotated(*inputs: Any) -> Any:
+        return _interpret(fn, inputs, _Interpreter(calibration, observe=False, strict=strict))
+
+    return annotated

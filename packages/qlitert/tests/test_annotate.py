@@ -1,0 +1,127 @@
+"""calibrate + annotate: Flax models become validated all-int8 .tflite models."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import qlitert
+
+RNG = np.random.default_rng(0)
+
+
+def convert(fn, batches):
+    """Calibrate on ``batches``, export at the first one's shape (validated), report."""
+    cal = qlitert.calibrate(fn, batches)
+    tfl = qlitert.export(qlitert.annotate(fn, cal), batches[0])
+    return tfl, qlitert.inspect(tfl)
+
+
+def assert_integer_kernels(report):
+    for op in report.ops[1:-1]:  # between the input QUANTIZE and the output DEQUANTIZE
+        ins, outs = report.op_types(op)
+        assert set(ins + outs) <= {"INT8", "INT32"}, (op.name, ins, outs)
+        if op.name in ("FULLY_CONNECTED", "CONV_2D", "DEPTHWISE_CONV_2D"):
+            weight = report.tensors[op.inputs[1]]
+            assert weight.dtype == "INT8" and set(weight.zero_point) == {0}
+            assert len(weight.scale) == weight.shape[weight.quantized_dimension]  # per channel
+            if len(op.inputs) > 2:
+                assert report.tensors[op.inputs[2]].dtype == "INT32"  # bias
+
+
+class CNN(nn.Module):
+    """conv -> relu -> avg pool -> conv -> relu -> max pool -> dense."""
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.avg_pool(nn.relu(nn.Conv(8, (3, 3))(x)), (2, 2), (2, 2))
+        x = nn.max_pool(nn.relu(nn.Conv(16, (3, 3))(x)), (2, 2), (2, 2))
+        return nn.Dense(10)(x.reshape(x.shape[0], -1))
+
+
+def test_linen_cnn_converts_to_int8_kernels_close_to_float():
+    x = RNG.normal(size=(4, 8, 8, 1)).astype(np.float32)
+    model = CNN()
+    # flax.linen.avg_pool divides by an int32 count: it fails under strict promotion.
+    with jax.numpy_dtype_promotion("standard"):
+        params = model.init(jax.random.key(0), x)
+
+        def fn(x):
+            return model.apply(params, x)
+
+        batches = [RNG.normal(size=(4, 8, 8, 1)).astype(np.float32) for _ in range(4)]
+        tfl, report = convert(fn, [x, *batches])
+        ref = np.asarray(fn(x))
+    # (A convolution with one input channel becomes a depthwise one.)
+    assert report.op_names() == [
+        "QUANTIZE", "DEPTHWISE_CONV_2D", "AVERAGE_POOL_2D", "CONV_2D", "MAX_POOL_2D",
+        "RESHAPE", "FULLY_CONNECTED", "DEQUANTIZE",
+    ]  # fmt: skip
+    assert_integer_kernels(report)
+    got = qlitert.LiteRTModel(tfl)(x)
+    # Moving averages of per-batch min/max clip each batch's extremes a little.
+    assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 0.15
+
+
+class Residual(nn.Module):
+    """Depthwise-separable block with a residual ADD, then a CONCAT."""
+
+    @nn.compact
+    def __call__(self, x):
+        y = nn.relu(nn.Conv(4, (3, 3), feature_group_count=4)(x))  # depthwise
+        y = nn.Conv(4, (1, 1))(y)  # pointwise
+        x = x + y
+        return jnp.concatenate([x, nn.relu(nn.Conv(2, (1, 1))(x))], axis=-1)
+
+
+def test_depthwise_residual_add_and_concat():
+    x = RNG.normal(size=(2, 6, 6, 4)).astype(np.float32)
+    model = Residual()
+    params = model.init(jax.random.key(1), x)
+    tfl, report = convert(lambda x: model.apply(params, x), [x])
+    names = report.op_names()
+    assert {"DEPTHWISE_CONV_2D", "CONV_2D", "ADD", "CONCATENATION"} <= set(names)
+    assert_integer_kernels(report)
+
+
+def test_nnx_mlp_converts():
+    class MLP(nnx.Module):
+        def __init__(self, rngs):
+            self.a = nnx.Linear(16, 32, rngs=rngs)
+            self.b = nnx.Linear(32, 4, rngs=rngs)
+
+        def __call__(self, x):
+            return self.b(nnx.relu(self.a(x)))
+
+    model = MLP(nnx.Rngs(0))
+    x = RNG.normal(size=(8, 16)).astype(np.float32)
+    tfl, report = convert(lambda x: model(x), [x])
+    assert report.op_names() == ["QUANTIZE", "FULLY_CONNECTED", "FULLY_CONNECTED", "DEQUANTIZE"]
+    assert_integer_kernels(report)
+
+
+def test_strict_mode_names_the_op_and_the_module():
+    class Odd(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return jnp.sin(nn.Dense(4, name="proj")(x))
+
+    x = RNG.normal(size=(2, 8)).astype(np.float32)
+    params = Odd().init(jax.random.key(0), x)
+    with pytest.raises(qlitert.UnsupportedOpError, match=r"op 'sin' in module 'Odd'"):
+        qlitert.calibrate(lambda x: Odd().apply(params, x), [x])
+
+
+def test_calibration_is_a_moving_average_of_batch_ranges():
+    cal = qlitert.Calibration(momentum=0.5)
+    cal.observe("s", np.array([-1.0, 3.0]))
+    cal.observe("s", np.array([-3.0, 1.0]))  # cumulative for the first 1 / (1 - 0.5) = 2
+    assert cal.ranges["s"] == [-2.0, 2.0]
+    cal.observe("s", np.array([0.0, 4.0]))  # then exponential with weight 0.5
+    assert cal.ranges["s"] == [-1.0, 3.0] and cal.counts["s"] == 3
+    scale, zp = cal.params("s")
+    assert np.isclose(scale[0], 4.0 / 255) and zp[0] == round(-128 + 1.0 / (4.0 / 255))
+    with pytest.raises(KeyError, match="never calibrated"):
+        cal.params("other")
