@@ -125,3 +125,25 @@ def test_calibration_is_a_moving_average_of_batch_ranges():
     assert np.isclose(scale[0], 4.0 / 255) and zp[0] == round(-128 + 1.0 / (4.0 / 255))
     with pytest.raises(KeyError, match="never calibrated"):
         cal.params("other")
+
+
+def test_int8_io_variant_takes_and_returns_codes():
+    model = nn.Sequential([nn.Dense(16), nn.relu, nn.Dense(4)])
+    x = RNG.normal(size=(8, 8)).astype(np.float32)
+    params = model.init(jax.random.key(0), x)
+
+    def fn(x):
+        return model.apply(params, x)
+
+    cal = qlitert.calibrate(fn, [x])
+    int8_fn = qlitert.annotate(fn, cal, int8_io=True)
+    scale, zp = cal.params("0:input0@")
+    codes = np.clip(np.round(x / scale[0]) + zp[0], -128, 127).astype(np.int8)
+    tfl = qlitert.export(int8_fn, codes)
+    report = qlitert.inspect(tfl)
+    assert report.op_names() == ["FULLY_CONNECTED", "FULLY_CONNECTED"]
+    assert report.tensors[report.inputs[0]].dtype == "INT8"
+    # The float model's view of the int8 model (LiteRTModel converts I/O).
+    float_out = qlitert.LiteRTModel(tfl)(x)
+    float_model = qlitert.LiteRTModel(qlitert.export(qlitert.annotate(fn, cal), x))(x)
+    np.testing.assert_allclose(float_out, float_model, atol=1e-6)  # the same integer kernels

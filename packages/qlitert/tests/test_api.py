@@ -21,6 +21,7 @@ def test_public_api_is_pinned():
         "converter",
         "export",
         "inspect",
+        "qat",
         "qdq",
         "save",
     }

@@ -10,7 +10,7 @@ atomically.
 """
 
 from qlitert import converter, qdq
-from qlitert.annotate import Calibration, UnsupportedOpError, annotate, calibrate
+from qlitert.annotate import Calibration, UnsupportedOpError, annotate, calibrate, qat
 from qlitert.export import ExportError, check_agreement, check_kernels, export, save
 from qlitert.inspection import ModelReport, inspect
 from qlitert.runtime import LiteRTModel
@@ -31,6 +31,7 @@ __all__ = [
     "converter",
     "export",
     "inspect",
+    "qat",
     "qdq",
     "save",
 ]

@@ -120,9 +120,18 @@ class _Q:
 class _Interpreter:
     """Runs a jaxpr, inserting (annotate) or observing (calibrate) quantization sites."""
 
-    def __init__(self, calibration: Calibration, *, observe: bool, strict: bool) -> None:
-        self.cal, self.observing, self.strict = calibration, observe, strict
+    def __init__(
+        self, calibration: Calibration, *, observe: bool, strict: bool, train: bool = False
+    ) -> None:
+        self.cal, self.observing, self.strict, self.train = calibration, observe, strict, train
         self.counter = 0
+
+    def fq(self, x: Any, scale: Any, zp: Any, **kw: Any) -> Any:
+        """Fake quantization: the annotation, or its numerics with an STE (training)."""
+        if self.train:
+            fq = qdq.fake_quant(jax.lax.stop_gradient(x), scale, zp, composite=False, **kw)
+            return _ste(x, fq)
+        return qdq.fake_quant(x, scale, zp, **kw)
 
     def site(self, x: Any, eqn: Any | None, label: str) -> tuple[Any, _Q]:
         where = "" if eqn is None else str(eqn.source_info.name_stack)
@@ -132,14 +141,14 @@ class _Interpreter:
             self.cal.observe(key, np.asarray(x))
             return x, _Q("q")
         scale, zp = self.cal.params(key)
-        return qdq.fake_quant(x, scale, zp), _Q("q", scale, zp)
+        return self.fq(x, scale, zp), _Q("q", scale, zp)
 
     def materialize(self, x: Any, q: _Q, eqn: Any, label: str) -> tuple[Any, _Q]:
         if q.inherit:  # TFLite's AVERAGE_POOL_2D keeps its input's scale: no new site
             done = _Q("q", q.scale, q.zero_point)
             if self.observing:
                 return x, done
-            return qdq.fake_quant(x, q.scale, q.zero_point, round_codes=True), done
+            return self.fq(x, q.scale, q.zero_point, round_codes=True), done
         if q.kind in ("pending", "float"):
             return self.site(x, eqn, label)
         if q.kind == "const":
@@ -149,6 +158,8 @@ class _Interpreter:
     def weight(self, w: Any, axis: int | None) -> Any:
         if self.observing:
             return w
+        if self.train:
+            return _ste_weight(w, axis)
         w = np.asarray(w, np.float32)
         if axis is None:
             scale = np.array([max(float(np.max(np.abs(w))), 1e-12) / 127], np.float32)
@@ -253,16 +264,60 @@ def _bind(eqn: Any, values: list[Any]) -> list[Any]:
     return list(out) if eqn.primitive.multiple_results else [out]
 
 
-def _interpret(fn: Callable[..., Any], inputs: tuple, interp: _Interpreter) -> Any:
-    closed = jax.make_jaxpr(fn)(*inputs)
-    args = [interp.site(x, None, f"input{i}") for i, x in enumerate(inputs)]
+def _interpret(
+    fn: Callable[..., Any],
+    inputs: tuple,
+    interp: _Interpreter,
+    *,
+    int8_io: bool = False,
+    params: Any = None,
+) -> Any:
+    """Runs ``fn(*inputs)`` (or ``fn(params, *inputs)``) through ``interp``."""
+    # fn is the float model: traced at float inputs even when ``inputs`` are codes.
+    specs = [jax.ShapeDtypeStruct(jnp.shape(x), jnp.float32) if int8_io else x for x in inputs]
+    if params is None:
+        closed = jax.make_jaxpr(fn)(*specs)
+        args: list[tuple[Any, _Q]] = []
+        out_tree = jax.tree.structure(jax.eval_shape(fn, *specs))
+    else:
+        closed = jax.make_jaxpr(fn)(params, *specs)
+        args = [(p, _Q("const")) for p in jax.tree.leaves(params)]  # weights, traced
+        out_tree = jax.tree.structure(jax.eval_shape(fn, params, *specs))
+    for i, x in enumerate(inputs):
+        if int8_io:  # codes in: dequantized with the input site's parameters
+            key = f"{interp.counter}:input{i}@"
+            interp.counter += 1
+            scale, zp = interp.cal.params(key)
+            args.append((qdq.dequantize(x, scale, zp), _Q("q", scale, zp)))
+        else:
+            args.append(interp.site(x, None, f"input{i}"))
     outs = interp.run(closed.jaxpr, list(closed.consts), args)
     results = []
     for i, (x, q) in enumerate(outs):
-        if q.kind != "q":
-            x, q = interp.site(x, None, f"output{i}")
+        if q.kind != "q" or q.inherit:
+            x, q = interp.materialize(x, q, None, f"output{i}")
+        if int8_io:
+            x = qdq.quantize(x, q.scale, q.zero_point)
         results.append(x)
-    return jax.tree.unflatten(jax.tree.structure(jax.eval_shape(fn, *inputs)), results)
+    return jax.tree.unflatten(out_tree, results)
+
+
+@jax.custom_vjp
+def _ste(x: Any, fq: Any) -> Any:
+    """``fq`` forward, identity gradient to ``x`` (straight-through estimator)."""
+    return fq
+
+
+_ste.defvjp(lambda x, fq: (fq, None), lambda _, g: (g, jnp.zeros_like(g)))
+
+
+def _ste_weight(w: Any, axis: int | None) -> Any:
+    """Symmetric narrow-range int8 fake quantization of a traced weight, with an STE."""
+    reduce = tuple(a for a in range(w.ndim) if a != axis) if axis is not None else None
+    absmax = jax.lax.stop_gradient(jnp.max(jnp.abs(w), axis=reduce, keepdims=True))
+    scale = jnp.where(absmax > 0, absmax / 127, 1.0)
+    q = jnp.clip(qdq.round_half_away(w / scale), -127, 127) * scale
+    return _ste(w, jax.lax.stop_gradient(q))
 
 
 def calibrate(
@@ -291,15 +346,48 @@ def calibrate(
 
 
 def annotate(
-    fn: Callable[..., Any], calibration: Calibration, *, strict: bool = True
+    fn: Callable[..., Any],
+    calibration: Calibration,
+    *,
+    strict: bool = True,
+    int8_io: bool = False,
 ) -> Callable[..., Any]:
     """``fn`` with fake quantization at every TFLite quantization site.
+
+    Args:
+        fn: The function, parameters closed over.
+        calibration: From :func:`calibrate` on the same function.
+        strict: Raise on ops that cannot be quantized (else leave them float).
+        int8_io: The annotated function takes and returns int8 codes (quantized
+            with the input and output sites' parameters), so the exported model has
+            integer inputs and outputs and no QUANTIZE / DEQUANTIZE ops.
 
     Raises:
         UnsupportedOpError: In strict mode, for an op that cannot be quantized.
     """
 
     def annotated(*inputs: Any) -> Any:
-        return _interpret(fn, inputs, _Interpreter(calibration, observe=False, strict=strict))
+        interp = _Interpreter(calibration, observe=False, strict=strict)
+        return _interpret(fn, inputs, interp, int8_io=int8_io)
 
     return annotated
+
+
+def qat(apply_fn: Callable[..., Any], calibration: Calibration) -> Callable[..., Any]:
+    """A trainable ``f(params, *inputs)``: ``apply_fn`` with the LiteRT quantization.
+
+    Weights are fake-quantized per output channel from their current values and
+    activations at the calibrated sites, with straight-through gradients, so
+    training sees the integer model's rounding. Re-:func:`calibrate` the trained
+    model before :func:`annotate` and export.
+
+    Args:
+        apply_fn: ``apply_fn(params, *inputs)``, e.g. a Linen ``model.apply``.
+        calibration: From :func:`calibrate` on ``lambda *x: apply_fn(params, *x)``.
+    """
+
+    def trainable(params: Any, *inputs: Any) -> Any:
+        interp = _Interpreter(calibration, observe=False, strict=True, train=True)
+        return _interpret(apply_fn, inputs, interp, params=params)
+
+    return trainable

@@ -104,6 +104,7 @@ def fake_quant(
     axis: int | None = None,
     dtype: str = "i8",
     round_codes: bool = False,
+    composite: bool = True,
 ) -> jax.Array:
     """``x`` quantized and dequantized, annotated as ``quant.fake_quant``.
 
@@ -117,6 +118,8 @@ def fake_quant(
         round_codes: Round ``x / scale + zero_point`` (kernels that average codes,
             like ``AVERAGE_POOL_2D``) instead of ``x / scale`` (``QUANTIZE``). Only
             JAX's numerics change; the annotation is the same.
+        composite: False returns the same numerics without the annotation
+            (differentiable by ``jax.grad``, which composites are not).
     """
     qmin, qmax = _check_dtype(dtype)
     qmin += int(narrow_range)
@@ -131,6 +134,8 @@ def fake_quant(
         q = jnp.clip(q, qmin, qmax)
         return ((q - z) * s).astype(x.dtype)
 
+    if not composite:
+        return decomposition(x, **attrs)
     return jax.lax.composite(decomposition, name="quant.fake_quant")(x, **attrs)
 
 
