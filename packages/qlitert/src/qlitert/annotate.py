@@ -104,7 +104,8 @@ class Calibration:
             raise KeyError(
                 f"site {site!r} was never calibrated: run calibrate() on the same function"
             )
-        return qdq.activation_params(*self.ranges[site])
+        lo, hi = self.ranges[site]
+        return qdq.activation_params(lo, hi)
 
 
 @dataclasses.dataclass
