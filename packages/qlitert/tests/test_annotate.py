@@ -147,3 +147,26 @@ def test_int8_io_variant_takes_and_returns_codes():
     float_out = qlitert.LiteRTModel(tfl)(x)
     float_model = qlitert.LiteRTModel(qlitert.export(qlitert.annotate(fn, cal), x))(x)
     np.testing.assert_allclose(float_out, float_model, atol=1e-6)  # the same integer kernels
+
+
+@pytest.mark.parametrize(
+    ("op", "kernel"),
+    [
+        (lambda a, b: a - b, "SUB"),
+        (lambda a, b: a * b, "MUL"),
+        (lambda a, b: jnp.tanh(a), "TANH"),
+        (lambda a, b: jax.nn.sigmoid(a), "LOGISTIC"),
+        (lambda a, b: jnp.mean(a, axis=1, keepdims=True) + b, "MEAN"),
+    ],
+)
+def test_elementwise_and_mean_ops_become_int8_kernels(op, kernel):
+    class Two(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return op(nn.Dense(8)(x), nn.Dense(8)(x))
+
+    x = RNG.normal(size=(4, 8)).astype(np.float32)
+    params = Two().init(jax.random.key(0), x)
+    tfl, report = convert(lambda x: Two().apply(params, x), [x])
+    assert kernel in report.op_names()
+    assert_integer_kernels(report)

@@ -56,7 +56,7 @@ from qlitert import qdq
 # Ops whose output has its input's scale (TFLite shares it).
 PRESERVING = {
     "reshape", "transpose", "squeeze", "expand_dims", "slice", "dynamic_slice",
-    "reduce_window_max", "copy", "copy_p",
+    "reduce_window_max", "copy", "copy_p", "broadcast_in_dim",
 }  # fmt: skip
 # Ops that compute a new value: inputs quantized, output quantized at its own range.
 COMPUTING = {
@@ -217,7 +217,9 @@ class _Interpreter:
             return [(_bind(eqn, [x])[0], _Q("pending"))]
         if name == "div" and kinds == ["pending", "const"]:
             return [(_bind(eqn, values)[0], ins[0][1])]
-        if name in PRESERVING and kinds[0] in ("q", "pending", "float"):
+        if name in PRESERVING and kinds[0] == "pending":  # same values: quantize later
+            return [(o, ins[0][1]) for o in _bind(eqn, values)]
+        if name in PRESERVING and kinds[0] in ("q", "float"):
             x, q = self.materialize(values[0], ins[0][1], eqn, name)
             return [(o, q) for o in _bind(eqn, [x, *values[1:]])]
         if name == "convert_element_type" and jnp.issubdtype(eqn.params["new_dtype"], jnp.floating):
