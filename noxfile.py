@@ -117,6 +117,6 @@ def demo(session: nox.Session) -> None:
 @nox.session(python=PYTHON)
 def bench(session: nox.Session) -> None:
     """Run the benchmarks (benchmarks/*.py) against float and Qwix; not in the default suite."""
-    session.install(*_editable(*PACKAGES), QWIX)
-    for script in ("ops.py", "flax_ptq.py"):
+    session.install(*_editable(*PACKAGES), QWIX, "scikit-learn")
+    for script in ("ops.py", "flax_ptq.py", "litert.py"):
         session.run("python", f"benchmarks/{script}", *(session.posargs or ["--readme"]))
