@@ -170,3 +170,45 @@ def test_elementwise_and_mean_ops_become_int8_kernels(op, kernel):
     tfl, report = convert(lambda x: Two().apply(params, x), [x])
     assert kernel in report.op_names()
     assert_integer_kernels(report)
+
+
+class Block(nn.Module):
+    """A small transformer block without layer norm: projections, softmax attention, gelu MLP."""
+
+    @nn.compact
+    def __call__(self, x):
+        q, k, v = (nn.Dense(16, name=n)(x) for n in ("q", "k", "v"))
+        att = jax.nn.softmax(jnp.einsum("btd,bsd->bts", q, k) * 0.25)
+        x = x + nn.Dense(16, name="o")(jnp.einsum("bts,bsd->btd", att, v))
+        return x + nn.Dense(16)(nn.gelu(nn.Dense(32)(x)))
+
+
+def test_attention_softmax_and_gelu_become_int8_kernels():
+    x = RNG.normal(size=(1, 6, 16)).astype(np.float32)
+    params = Block().init(jax.random.key(0), x)
+    batches = [RNG.normal(size=(1, 6, 16)).astype(np.float32) for _ in range(4)]
+    tfl, report = convert(lambda x: Block().apply(params, x), [x, *batches])
+    names = report.op_names()
+    assert {"SOFTMAX", "GELU", "BATCH_MATMUL", "FULLY_CONNECTED", "ADD"} <= set(names), names
+    assert_integer_kernels(report)
+    softmax = next(op for op in report.ops if op.name == "SOFTMAX")
+    out = report.tensors[softmax.outputs[0]]
+    assert out.scale == (1 / 256,) and out.zero_point == (-128,)
+
+
+def test_nnx_attention_block_converts():
+    class NnxBlock(nnx.Module):
+        def __init__(self, rngs):
+            self.q, self.k, self.v, self.o = (nnx.Linear(16, 16, rngs=rngs) for _ in range(4))
+            self.up, self.down = nnx.Linear(16, 32, rngs=rngs), nnx.Linear(32, 16, rngs=rngs)
+
+        def __call__(self, x):
+            att = jax.nn.softmax(jnp.einsum("btd,bsd->bts", self.q(x), self.k(x)) * 0.25)
+            x = x + self.o(jnp.einsum("bts,bsd->btd", att, self.v(x)))
+            return x + self.down(nnx.gelu(self.up(x)))
+
+    model = NnxBlock(nnx.Rngs(0))
+    batches = [RNG.normal(size=(1, 6, 16)).astype(np.float32) for _ in range(4)]
+    _, report = convert(lambda x: model(x), batches)
+    assert {"SOFTMAX", "GELU", "BATCH_MATMUL"} <= set(report.op_names())
+    assert_integer_kernels(report)

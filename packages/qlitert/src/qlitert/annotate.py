@@ -24,8 +24,9 @@ kernels quantize (*tensor-centric*: each site is an op's output):
 
 Ranges are moving averages of each batch's min and max (:func:`calibrate`).
 ``strict=True`` raises on an op this module cannot quantize, naming the op and
-the module path (Linen name stack). Ops not supported yet: softmax, layer norm,
-gelu and other composite activations.
+the module path (Linen name stack). ``jax.nn.softmax`` (output scale 1/256, zero
+point -128) and Flax's ``gelu`` become single ``SOFTMAX`` / ``GELU`` kernels. Not
+supported yet: layer norm and other ops TFLite has no int8 kernel for.
 
 Example:
     >>> import flax.linen as nn, jax, jax.numpy as jnp, numpy as np
@@ -183,12 +184,42 @@ class _Interpreter:
             env[v] = (c, _Q("const"))
         for v, a in zip(jaxpr.invars, args, strict=True):
             env[v] = a
-        for eqn in jaxpr.eqns:
+        eqns, i = list(jaxpr.eqns), 0
+        while i < len(eqns):
+            kind, n = _match(eqns, i)
+            if kind is not None:
+                block = eqns[i : i + n]
+                env[block[-1].outvars[0]] = self.fused(kind, block, read)
+                i += n
+                continue
+            eqn = eqns[i]
             ins = [read(v) for v in eqn.invars]
             outs = self.eqn(eqn, ins)
             for v, o in zip(eqn.outvars, outs, strict=True):
                 env[v] = o
+            i += 1
         return [read(v) for v in jaxpr.outvars]
+
+    def fused(self, kind: str, block: list[Any], read: Callable[[Any], Any]) -> tuple[Any, _Q]:
+        """A softmax or GELU block: one TFLite kernel, quantized input and output only."""
+        x, q = read(block[0].invars[0])
+        x, _ = self.materialize(x, q, block[0], kind)
+        local: dict[Any, Any] = {block[0].invars[0]: x}
+
+        def value(v: Any) -> Any:
+            if isinstance(v, jex.core.Literal):
+                return v.val
+            return local[v] if v in local else read(v)[0]
+
+        for eqn in block:
+            for v, o in zip(eqn.outvars, _bind(eqn, [value(v) for v in eqn.invars]), strict=True):
+                local[v] = o
+        y = local[block[-1].outvars[0]]
+        if kind != "softmax":
+            return self.site(y, block[-1], kind)
+        # TFLite's int8 SOFTMAX has a fixed output scale 1/256 and zero point -128.
+        scale, zp = np.array([1 / 256], np.float32), np.array([-128], np.int64)
+        return (y if self.observing else self.fq(y, scale, zp)), _Q("q", scale, zp)
 
     def eqn(self, eqn: Any, ins: list[tuple[Any, _Q]]) -> list[tuple[Any, _Q]]:
         name = eqn.primitive.name
@@ -251,6 +282,36 @@ class _Interpreter:
         else:
             b, _ = self.materialize(b, qb, eqn, f"{name}.rhs")
         return _bind(eqn, [a, b])[0], _Q("pending")
+
+
+# Primitive sequences of jax.nn.softmax and of Flax's (tanh-approximated) gelu in
+# jax 0.10.2's jaxprs; the converter turns each into one SOFTMAX / GELU kernel when
+# no quantization sits inside.
+_FUSED = {
+    "softmax": [
+        ["reduce_max", "max", "broadcast_in_dim", "stop_gradient", "sub", "exp",
+         "reduce_sum", "broadcast_in_dim", "div"],
+        ["reduce_max", "broadcast_in_dim", "stop_gradient", "sub", "exp", "reduce_sum",
+         "broadcast_in_dim", "div"],
+    ],
+    "gelu": [["integer_pow", "mul", "add", "mul", "tanh", "add", "mul", "mul"]],
+}  # fmt: skip
+_INPUT_USES = {"softmax": 2, "gelu": 3}
+
+
+def _match(eqns: list[Any], i: int) -> tuple[str | None, int]:
+    """The fused block (softmax, gelu) starting at ``eqns[i]``, and its length."""
+    for kind, sequences in _FUSED.items():
+        for names in sequences:
+            block = eqns[i : i + len(names)]
+            if [e.primitive.name for e in block] != names:
+                continue
+            x = block[0].invars[0]
+            # The block's input feeds exactly these ops: softmax's reduce_max and sub;
+            # gelu's integer_pow, first add and last mul.
+            if sum(x in e.invars for e in block) == _INPUT_USES[kind]:
+                return kind, len(names)
+    return None, 0
 
 
 def _out_axis(eqn: Any, ndim: int) -> int | None:
