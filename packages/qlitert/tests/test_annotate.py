@@ -212,3 +212,19 @@ def test_nnx_attention_block_converts():
     _, report = convert(lambda x: model(x), batches)
     assert {"SOFTMAX", "GELU", "BATCH_MATMUL"} <= set(report.op_names())
     assert_integer_kernels(report)
+
+
+def test_layer_norm_becomes_int8_mean_sub_mul_rsqrt_kernels():
+    class LN(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(16)(nn.LayerNorm()(nn.Dense(16)(x)))
+
+    x = RNG.normal(size=(1, 6, 16)).astype(np.float32)
+    params = LN().init(jax.random.key(0), x)
+    batches = [RNG.normal(size=(1, 6, 16)).astype(np.float32) for _ in range(4)]
+    tfl, report = convert(lambda x: LN().apply(params, x), [x, *batches])
+    assert {"MEAN", "SUB", "MUL", "RSQRT"} <= set(report.op_names())
+    assert_integer_kernels(report)
+    got, ref = qlitert.LiteRTModel(tfl)(x), np.asarray(LN().apply(params, x))
+    assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 0.1

@@ -25,8 +25,8 @@ kernels quantize (*tensor-centric*: each site is an op's output):
 Ranges are moving averages of each batch's min and max (:func:`calibrate`).
 ``strict=True`` raises on an op this module cannot quantize, naming the op and
 the module path (Linen name stack). ``jax.nn.softmax`` (output scale 1/256, zero
-point -128) and Flax's ``gelu`` become single ``SOFTMAX`` / ``GELU`` kernels. Not
-supported yet: layer norm and other ops TFLite has no int8 kernel for.
+point -128) and Flax's ``gelu`` become single ``SOFTMAX`` / ``GELU`` kernels; layer
+norm becomes int8 ``MEAN`` / ``SUB`` / ``MUL`` / ``RSQRT`` ops.
 
 Example:
     >>> import flax.linen as nn, jax, jax.numpy as jnp, numpy as np
@@ -62,7 +62,7 @@ PRESERVING = {
 # Ops that compute a new value: inputs quantized, output quantized at its own range.
 COMPUTING = {
     "add", "sub", "mul", "concatenate", "tanh", "logistic", "max", "min", "neg",
-    "square", "rsqrt", "sqrt", "exp", "abs",
+    "square", "integer_pow", "rsqrt", "sqrt", "exp", "abs",
 }  # fmt: skip
 CALLS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
 
