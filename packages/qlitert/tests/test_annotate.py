@@ -228,3 +228,27 @@ def test_layer_norm_becomes_int8_mean_sub_mul_rsqrt_kernels():
     assert_integer_kernels(report)
     got, ref = qlitert.LiteRTModel(tfl)(x), np.asarray(LN().apply(params, x))
     assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 0.1
+
+
+def test_batch_norm_and_relu_fold_into_the_convolution():
+    class ConvBN(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.relu(nn.BatchNorm(use_running_average=True)(nn.Conv(8, (3, 3))(x)))
+
+    x = RNG.normal(size=(2, 8, 8, 3)).astype(np.float32)
+    variables = ConvBN().init(jax.random.key(0), x)
+    stats = jax.tree.map(
+        lambda a: a + RNG.uniform(0.5, 1.5, a.shape).astype(np.float32), variables["batch_stats"]
+    )
+    variables = {"params": variables["params"], "batch_stats": stats}
+
+    def fn(x):
+        return ConvBN().apply(variables, x)
+
+    batches = [RNG.normal(size=(2, 8, 8, 3)).astype(np.float32) for _ in range(4)]
+    tfl, report = convert(fn, [x, *batches])
+    assert report.op_names() == ["QUANTIZE", "CONV_2D", "DEQUANTIZE"]  # BN and ReLU folded
+    assert_integer_kernels(report)
+    got, ref = qlitert.LiteRTModel(tfl)(x), np.asarray(fn(x))
+    assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 0.1

@@ -12,8 +12,10 @@ kernels quantize (*tensor-centric*: each site is an op's output):
 
 * the inputs; weights of ``dot_general`` / ``conv_general_dilated`` (symmetric,
   narrow range, one scale per output channel);
-* the output of a matmul or convolution *after* a following bias add and ReLU /
-  ReLU6 (TFLite fuses them, so no quantization sits between);
+* the output of a matmul or convolution *after* a following bias add, inference
+  batch norm (per-channel constants folded into the weight before it is
+  quantized, and into the bias) and ReLU / ReLU6 (TFLite fuses them, so no
+  quantization sits between);
 * the output of every other computing op (add, sub, mul, concatenate, tanh,
   logistic...), and of means (``reduce_sum`` followed by a division, which the
   converter turns into ``MEAN``);
@@ -119,6 +121,24 @@ class _Q:
     inherit: bool = False  # pending with its input's scale (average pooling)
 
 
+@dataclasses.dataclass
+class _Deferred:
+    """A matmul/convolution with a constant weight, not computed yet.
+
+    Per-output-channel affine constants that follow it (bias adds, batch-norm
+    ``sub``/``mul``) are folded in: ``y = op(x, w * scale) + offset``, so the weight
+    is quantized *after* folding, as TFLite's converter folds batch norm.
+    """
+
+    eqn: Any
+    x: Any
+    w: Any
+    w_axis: int
+    out_axis: int
+    scale: Any = None
+    offset: Any = None
+
+
 class _Interpreter:
     """Runs a jaxpr, inserting (annotate) or observing (calibrate) quantization sites."""
 
@@ -175,10 +195,13 @@ class _Interpreter:
     ) -> list[tuple[Any, _Q]]:
         env: dict[Any, tuple[Any, _Q]] = {}
 
-        def read(v: Any) -> tuple[Any, _Q]:
+        def read_raw(v: Any) -> tuple[Any, _Q]:
             if isinstance(v, jex.core.Literal):
                 return v.val, _Q("const")
             return env[v]
+
+        def read(v: Any) -> tuple[Any, _Q]:
+            return self.realize(read_raw(v))
 
         for v, c in zip(jaxpr.constvars, consts, strict=True):
             env[v] = (c, _Q("const"))
@@ -193,7 +216,7 @@ class _Interpreter:
                 i += n
                 continue
             eqn = eqns[i]
-            ins = [read(v) for v in eqn.invars]
+            ins = [read_raw(v) for v in eqn.invars]
             outs = self.eqn(eqn, ins)
             for v, o in zip(eqn.outvars, outs, strict=True):
                 env[v] = o
@@ -221,7 +244,54 @@ class _Interpreter:
         scale, zp = np.array([1 / 256], np.float32), np.array([-128], np.int64)
         return (y if self.observing else self.fq(y, scale, zp)), _Q("q", scale, zp)
 
+    def realize(self, entry: tuple[Any, _Q]) -> tuple[Any, _Q]:
+        """Computes a deferred contraction (with its folded constants)."""
+        d, q = entry
+        if not isinstance(d, _Deferred):
+            return entry
+        w = d.w
+        if d.scale is not None:
+            with jax.ensure_compile_time_eval():  # a concrete weight stays concrete
+                w = w * _along(d.scale, np.ndim(w), d.w_axis)
+        y = _bind(d.eqn, [d.x, self.weight(w, d.w_axis)])[0]
+        if d.offset is not None:
+            y = y + jnp.asarray(_along(d.offset, y.ndim, d.out_axis), y.dtype)
+        return y, q
+
+    def fold(self, eqn: Any, ins: list[tuple[Any, _Q]]) -> list[tuple[Any, _Q]] | None:
+        """Folds ``deferred (+|-|*|/) constant`` into the deferred contraction, if it fits."""
+        name = eqn.primitive.name
+        if name not in ("add", "sub", "mul", "div") or len(ins) != 2:
+            return None
+        (x, qx), (c, qc) = ins
+        if not isinstance(x, _Deferred) and name in ("add", "mul"):
+            (c, qc), (x, qx) = ins
+        if not isinstance(x, _Deferred) or qc.kind != "const":
+            return None
+        # Constants stay numpy (static composite attributes) unless training traces them.
+        xp: Any = jnp if self.train else np
+        n = eqn.outvars[0].aval.shape[x.out_axis]
+        v = _channel_vector(xp, c, eqn.outvars[0].aval.ndim, x.out_axis, n)
+        if v is None:
+            return None
+        one, zero = xp.ones((n,), xp.float32), xp.zeros((n,), xp.float32)
+        scale = one if x.scale is None else x.scale
+        offset = zero if x.offset is None else x.offset
+        if name == "add":
+            offset = offset + v
+        elif name == "sub":
+            offset = offset - v
+        elif name == "mul":
+            scale, offset = scale * v, offset * v
+        else:
+            scale, offset = scale / v, offset / v
+        return [(dataclasses.replace(x, scale=scale, offset=offset), qx)]
+
     def eqn(self, eqn: Any, ins: list[tuple[Any, _Q]]) -> list[tuple[Any, _Q]]:
+        folded = self.fold(eqn, ins)
+        if folded is not None:
+            return folded
+        ins = [self.realize(e) for e in ins]
         name = eqn.primitive.name
         values = [x for x, _ in ins]
         kinds = [q.kind for _, q in ins]
@@ -233,7 +303,10 @@ class _Interpreter:
             skip = eqn.params.get("num_consts", 0) if name.startswith("custom_vjp") else 0
             return self.run(jaxpr, consts, ins[skip:] if skip else ins)
         if all(k == "const" for k in kinds):  # constant folding (bias reshapes...)
-            return [(o, _Q("const")) for o in _bind(eqn, values)]
+            # Eagerly, even inside jax.export's trace: folded weights must stay
+            # concrete to become static composite attributes.
+            with jax.ensure_compile_time_eval():
+                return [(o, _Q("const")) for o in _bind(eqn, values)]
         if name in ("dot_general", "conv_general_dilated"):
             return [self.contraction(eqn, ins)]
         if name == "add" and sorted(kinds) == ["const", "pending"]:
@@ -277,8 +350,12 @@ class _Interpreter:
                 f"{str(eqn.source_info.name_stack)!r}: TFLite kernels take it on the right"
             )
         a, _ = self.materialize(a, qa, eqn, f"{name}.lhs")
+        w_axis = _out_axis(eqn, np.ndim(b)) if qb.kind == "const" else None
+        if qb.kind == "const" and w_axis is not None:
+            out_axis = _result_axis(eqn)
+            return _Deferred(eqn, a, b, w_axis, out_axis), _Q("pending")
         if qb.kind == "const":
-            b = self.weight(b, _out_axis(eqn, np.ndim(b)))
+            b = self.weight(b, w_axis)
         else:
             b, _ = self.materialize(b, qb, eqn, f"{name}.rhs")
         return _bind(eqn, [a, b])[0], _Q("pending")
@@ -321,6 +398,31 @@ def _out_axis(eqn: Any, ndim: int) -> int | None:
     (_, rc), (_, rb) = eqn.params["dimension_numbers"]
     free = [i for i in range(ndim) if i not in rc and i not in rb]
     return free[0] if len(free) == 1 and not rb else None
+
+
+def _result_axis(eqn: Any) -> int:
+    """The output axis holding a contraction's output channels."""
+    if eqn.primitive.name == "conv_general_dilated":
+        return int(eqn.params["dimension_numbers"].out_spec[1])
+    return eqn.outvars[0].aval.ndim - 1  # dot_general: the weight's free axis comes last
+
+
+def _channel_vector(xp: Any, c: Any, ndim: int, axis: int, n: int) -> Any:
+    """``c`` as an ``(n,)`` vector if it varies at most along ``axis`` of an ``ndim`` result."""
+    shape = tuple(np.shape(c))
+    if len(shape) > ndim:
+        return None
+    full = (1,) * (ndim - len(shape)) + shape
+    if any(d != 1 for i, d in enumerate(full) if i != axis) or full[axis] not in (1, n):
+        return None
+    return xp.broadcast_to(xp.reshape(xp.asarray(c, xp.float32), (-1,)), (n,))
+
+
+def _along(v: Any, ndim: int, axis: int) -> Any:
+    """A per-channel vector shaped to broadcast along ``axis`` of an ``ndim`` array."""
+    shape = [1] * ndim
+    shape[axis] = -1
+    return v.reshape(shape)
 
 
 def _bind(eqn: Any, values: list[Any]) -> list[Any]:
