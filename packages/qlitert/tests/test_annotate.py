@@ -252,3 +252,26 @@ def test_batch_norm_and_relu_fold_into_the_convolution():
     assert_integer_kernels(report)
     got, ref = qlitert.LiteRTModel(tfl)(x), np.asarray(fn(x))
     assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 0.1
+
+
+def test_nnx_cnn_with_depthwise_residual_and_relu6_converts():
+    class NnxCNN(nnx.Module):
+        def __init__(self, rngs):
+            self.stem = nnx.Conv(3, 8, (3, 3), rngs=rngs)
+            self.dw = nnx.Conv(8, 8, (3, 3), feature_group_count=8, rngs=rngs)
+            self.pw = nnx.Conv(8, 8, (1, 1), rngs=rngs)
+            self.head = nnx.Linear(4 * 4 * 8, 10, rngs=rngs)
+
+        def __call__(self, x):
+            x = jax.nn.relu6(self.stem(x))
+            x = x + self.pw(jax.nn.relu(self.dw(x)))
+            x = nnx.avg_pool(x, (2, 2), (2, 2))
+            return self.head(x.reshape(x.shape[0], -1))
+
+    model = NnxCNN(nnx.Rngs(0))
+    batches = [RNG.normal(size=(2, 8, 8, 3)).astype(np.float32) for _ in range(4)]
+    with jax.numpy_dtype_promotion("standard"):  # flax's avg_pool mixes int32 and float
+        _, report = convert(lambda x: model(x), batches)
+    names = report.op_names()
+    assert {"CONV_2D", "DEPTHWISE_CONV_2D", "ADD", "AVERAGE_POOL_2D"} <= set(names), names
+    assert_integer_kernels(report)
