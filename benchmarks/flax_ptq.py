@@ -38,7 +38,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-from ops import load_qwix, machine, replace_section, time_impl
+from ops import load_qwix, machine, measured_on, replace_section, time_impl
 
 import qflax
 
@@ -205,10 +205,9 @@ def update_readme(data: dict[str, Any], path: Path) -> None:
     m = data["machine"]
     body = "\n".join(
         [
-            f"Measured {m['date']} on {m['cpu']} ({m['cores']} cores), Python {m['python']}, "
-            f"jax {m['jax']}, qflax {m['qflax']}, Qwix {m['qwix']}; GLIBC_TUNABLES "
-            f"{m['GLIBC_TUNABLES']}, XLA_FLAGS {m['XLA_FLAGS']}. Median of {m['reps']} "
-            "warm calls of the jitted model, in rounds of one call per config.",
+            measured_on(m, f"qflax {m['qflax']}, Qwix {m['qwix']}")
+            + f" Median of {m['reps']} warm calls of the jitted model, in rounds of one call"
+            " per config.",
             "",
             table(data["rows"]),
         ]

@@ -26,7 +26,7 @@ from typing import Any
 import flax.linen as nn
 import jax
 import numpy as np
-from ops import machine, replace_section
+from ops import machine, measured_on, replace_section
 
 import qlitert
 
@@ -119,6 +119,20 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def update_readme(data: dict[str, Any], path: Path) -> None:
+    """Replaces the litert table of benchmarks/README.md."""
+    m = data["machine"]
+    body = "\n".join(
+        [
+            measured_on(m, f"qlitert {m['qlitert']}")
+            + f" Median of {m['reps']} repetitions of {m['calls']} interpreter calls.",
+            "",
+            table(data["rows"]),
+        ]
+    )
+    replace_section(path, "litert", body)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Runs the benchmark; returns the exit code."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -160,17 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(data, indent=1))
     if args.readme:
-        m = info
-        body = "\n".join(
-            [
-                f"Measured {m['date']} on {m['cpu']} ({m['cores']} cores), Python {m['python']}, "
-                f"jax {m['jax']}, qlitert {m['qlitert']}; median of {m['reps']} repetitions "
-                f"of {m['calls']} interpreter calls.",
-                "",
-                table(rows),
-            ]
-        )
-        replace_section(HERE / "README.md", "litert", body)
+        update_readme(data, HERE / "README.md")
         print(f"updated {HERE / 'README.md'}")
     return 0
 

@@ -243,16 +243,23 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def measured_on(m: dict[str, Any], versions: str) -> str:
+    """The first sentence of every results section: date, machine, versions, allocator."""
+    return (
+        f"Measured {m['date']} on {m['cpu']} ({m['cores']} cores), Python {m['python']}, "
+        f"jax {m['jax']}, {versions}; GLIBC_TUNABLES {m['GLIBC_TUNABLES']}, XLA_FLAGS "
+        f"{m['XLA_FLAGS']}."
+    )
+
+
 def report(data: dict[str, Any]) -> str:
     """The README section: machine, settings and the table."""
     m = data["machine"]
     return "\n".join(
         [
-            f"Measured {m['date']} on {m['cpu']} ({m['cores']} cores), Python {m['python']}, "
-            f"jax {m['jax']}, qcore {m['qcore']}, Qwix {m['qwix']}; GLIBC_TUNABLES "
-            f"{m['GLIBC_TUNABLES']}, XLA_FLAGS {m['XLA_FLAGS']}. Median of {m['reps']} calls "
-            f"after warm-up, cycling {m['ring']} distinct weight buffers; ratios are to the "
-            "fp32 (or Qwix) row of the same case in the same run.",
+            measured_on(m, f"qcore {m['qcore']}, Qwix {m['qwix']}")
+            + f" Median of {m['reps']} calls after warm-up, cycling {m['ring']} distinct weight"
+            " buffers; ratios are to the fp32 (or Qwix) row of the same case in the same run.",
             "",
             table(data["rows"]),
         ]

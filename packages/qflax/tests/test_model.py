@@ -63,7 +63,7 @@ def test_a_failed_nnx_quantization_leaves_the_model_untouched():
     jax.tree.map(np.testing.assert_array_equal, before, after)
 
 
-def test_the_original_linen_model_and_other_threads_are_unaffected():
+def test_the_original_linen_model_is_unaffected():
     model = zoo.LinenMLP()
     fp = model.init(jax.random.key(0), X)
     qmodel = qflax.quantize_model(model, qflax.PtqProvider(W8))

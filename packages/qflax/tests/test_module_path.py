@@ -74,14 +74,20 @@ class NnxNet(nnx.Module):
         return self.head(x)
 
 
-def test_nnx_paths_include_list_indices():
+def test_nnx_paths_include_list_indices_and_survive_nnx_jit():
     model = NnxNet(nnx.Rngs(0))
-    seen = _paths_seen(lambda: model(jnp.ones((1, 8))), module_path.NnxPaths(model))
-    assert seen == [
+    module_path.label_nnx(model)
+    expected = [
         ("dot_general", "layers/0/linear"),
         ("dot_general", "layers/1/linear"),
         ("dot_general", "head"),
     ]
+    assert _paths_seen(lambda: model(jnp.ones((1, 8))), module_path.nnx_path) == expected
+    # nnx.jit rebuilds the module objects inside its trace; the labels travel along.
+    seen = _paths_seen(
+        lambda: nnx.jit(lambda m, x: m(x))(model, jnp.ones((1, 8))), module_path.nnx_path
+    )
+    assert seen == expected
 
 
 def test_ops_outside_any_module_have_no_path():
@@ -89,6 +95,6 @@ def test_ops_outside_any_module_have_no_path():
     assert seen == [("matmul", None)]
 
 
-def test_nnx_paths_refuse_non_modules():
+def test_nnx_labels_refuse_non_modules():
     with pytest.raises(ValueError, match="model=dict is not an nnx.Module"):
-        module_path.NnxPaths({})  # type: ignore[arg-type]
+        module_path.label_nnx({})  # type: ignore[arg-type]

@@ -3,10 +3,10 @@
 Both Flax APIs are served by one mechanism: walk the Python call stack from the
 op outwards and take the first frame whose ``self`` is a module with a known
 path. Linen modules know their own path (``module.path``, e.g.
-``("encoder", "layers_0")``); NNX modules do not, so :class:`NnxPaths` maps each
-module object of a model graph to its path first (list indices included, e.g.
-``layers/0/linear``). The stack is walked only while tracing, so the cost is paid
-once per compiled model, not per step.
+``("encoder", "layers_0")``); NNX modules do not, so :func:`label_nnx` stores each
+module's path in the module first (list indices included, e.g.
+``layers/0/linear``) and :func:`nnx_path` reads it back. The stack is walked only
+while tracing, so the cost is paid once per compiled model, not per step.
 
 Example:
     >>> import flax.linen as nn, jax, jax.numpy as jnp
@@ -44,28 +44,11 @@ def linen_path(obj: object) -> str | None:
     return None
 
 
-class NnxPaths:
-    """Maps the module objects of an NNX model to their ``/``-joined paths."""
-
-    def __init__(self, model: nnx.Module) -> None:
-        if not isinstance(model, nnx.Module):
-            raise ValueError(f"model={type(model).__name__} is not an nnx.Module")
-        self._paths: dict[int, str] = {}
-        for path, node in nnx.iter_graph(model):
-            if isinstance(node, nnx.Module) and id(node) not in self._paths:
-                self._paths[id(node)] = "/".join(str(p) for p in path)
-
-    def __call__(self, obj: object) -> str | None:
-        """The path of ``obj`` if it is a module of the model, else None."""
-        return self._paths.get(id(obj)) if isinstance(obj, nnx.Module) else None
-
-
 def calling_module(resolver: Resolver, *, skip: int = 1) -> tuple[object, str] | None:
     """The innermost module on the call stack and its path, or None if there is none.
 
     Args:
-        resolver: ``obj -> path | None`` (:func:`linen_path`, :func:`nnx_path` or
-            an :class:`NnxPaths`).
+        resolver: ``obj -> path | None`` (:func:`linen_path` or :func:`nnx_path`).
         skip: Frames to skip (this function's caller is frame 1).
     """
     frame = sys._getframe(skip)  # noqa: SLF001 - the stack is the only record of the caller
@@ -98,9 +81,11 @@ def label_nnx(model: nnx.Module) -> None:
 
     The path is static data of the graph, so it survives ``nnx.split`` /
     ``nnx.merge`` and reaches the fresh module objects that ``nnx.jit``,
-    ``nnx.scan`` and ``nnx.vmap`` build, where :class:`NnxPaths` (object
-    identities) cannot see. A module reachable by several paths keeps the first.
+    ``nnx.scan`` and ``nnx.vmap`` build, where object identities would not be
+    recognised. A module reachable by several paths keeps the first.
     """
+    if not isinstance(model, nnx.Module):
+        raise ValueError(f"model={type(model).__name__} is not an nnx.Module")
     for path, node in nnx.iter_graph(model):
         if isinstance(node, nnx.Module) and not hasattr(node, PATH_ATTRIBUTE):
             setattr(node, PATH_ATTRIBUTE, "/".join(str(p) for p in path))

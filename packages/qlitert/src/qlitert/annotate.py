@@ -309,8 +309,6 @@ class _Interpreter:
                 return [(o, _Q("const")) for o in _bind(eqn, values)]
         if name in ("dot_general", "conv_general_dilated"):
             return [self.contraction(eqn, ins)]
-        if name == "add" and sorted(kinds) == ["const", "pending"]:
-            return [(_bind(eqn, values)[0], _Q("pending"))]  # bias add: fused
         if name in ("max", "min") and sorted(kinds) == ["const", "pending"]:
             return [(_bind(eqn, values)[0], _Q("pending"))]  # ReLU / ReLU6: fused
         if name == "reduce_window_sum":  # average pool (with the div): input's scale

@@ -20,6 +20,8 @@ from typing import Any
 
 import numpy as np
 
+from qlitert.qdq import round_half_away
+
 
 class LiteRTModel:
     """A ``.tflite`` model ready to run (``ai_edge_litert`` interpreter).
@@ -72,7 +74,7 @@ class LiteRTModel:
             return x.astype(dtype)
         scale, zp = detail["quantization"]
         info = np.iinfo(dtype)
-        q = np.sign(x / scale) * np.floor(np.abs(x / scale) + 0.5) + zp
+        q = np.asarray(round_half_away(x / np.float32(scale))) + zp  # as QUANTIZE rounds
         return np.clip(q, info.min, info.max).astype(dtype)
 
     def _from_model(self, y: np.ndarray, detail: dict) -> np.ndarray:
