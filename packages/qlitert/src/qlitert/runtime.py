@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax.numpy as jnp
 import numpy as np
 
 from qlitert.qdq import round_half_away
@@ -74,7 +75,7 @@ class LiteRTModel:
             return x.astype(dtype)
         scale, zp = detail["quantization"]
         info = np.iinfo(dtype)
-        q = np.asarray(round_half_away(x / np.float32(scale))) + zp  # as QUANTIZE rounds
+        q = np.asarray(round_half_away(jnp.asarray(x / np.float32(scale)))) + zp  # as QUANTIZE
         return np.clip(q, info.min, info.max).astype(dtype)
 
     def _from_model(self, y: np.ndarray, detail: dict) -> np.ndarray:
