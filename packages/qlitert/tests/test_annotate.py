@@ -103,15 +103,45 @@ def test_nnx_mlp_converts():
 
 
 def test_strict_mode_names_the_op_and_the_module():
-    class Odd(nn.Module):
+    class Inner(nn.Module):
         @nn.compact
         def __call__(self, x):
             return jnp.sin(nn.Dense(4, name="proj")(x))
 
+    class Odd(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return Inner(name="inner")(x)
+
     x = RNG.normal(size=(2, 8)).astype(np.float32)
     params = Odd().init(jax.random.key(0), x)
-    with pytest.raises(qlitert.UnsupportedOpError, match=r"op 'sin' in module 'Odd'"):
+    with pytest.raises(qlitert.UnsupportedOpError, match=r"op 'sin' in module 'inner'"):
         qlitert.calibrate(lambda x: Odd().apply(params, x), [x])
+    dense = nn.Dense(4)
+    p = dense.init(jax.random.key(0), x)
+    with pytest.raises(qlitert.UnsupportedOpError, match=r"op 'cos' in module '' \(the root"):
+        qlitert.calibrate(lambda x: jnp.cos(dense.apply(p, x)), [x])
+
+
+def test_strict_errors_name_nnx_module_paths():
+    class Block(nnx.Module):
+        def __init__(self, rngs):
+            self.linear = nnx.Linear(4, 4, rngs=rngs)
+
+        def __call__(self, x):
+            return jnp.sin(self.linear(x))
+
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.blocks = nnx.List([Block(rngs), Block(rngs)])
+
+        def __call__(self, x):
+            return self.blocks[1](nnx.relu(self.blocks[0].linear(x)))
+
+    model = Net(nnx.Rngs(0))
+    x = RNG.normal(size=(2, 4)).astype(np.float32)
+    with pytest.raises(qlitert.UnsupportedOpError, match=r"op 'sin' in module 'blocks/1'"):
+        qlitert.calibrate(lambda x: model(x), [x])
 
 
 def test_calibration_is_a_moving_average_of_batch_ranges():

@@ -8,6 +8,7 @@ import qlitert
 
 def test_public_api_is_pinned():
     assert set(qlitert.__all__) == {
+        "Annotated",
         "Calibration",
         "ExportError",
         "LiteRTModel",
@@ -23,6 +24,7 @@ def test_public_api_is_pinned():
         "inspect",
         "qat",
         "qdq",
+        "rules",
         "save",
     }
 

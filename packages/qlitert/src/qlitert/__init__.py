@@ -1,23 +1,27 @@
 """qlitert: full-integer LiteRT (``.tflite``) export of quantized JAX models.
 
-Calibrate a function (:func:`calibrate`) and annotate it (:func:`annotate`) — or
-annotate its quantization by hand with :mod:`qlitert.qdq` (``quant.fake_quant``
-composites with static scales) — then :func:`export` converts it with
-litert-converter and validates the result (integer kernels only, outputs within
-one step of JAX); :func:`inspect` lists a model's ops and tensors;
-:class:`LiteRTModel` runs it with the LiteRT interpreter; :func:`save` writes it
-atomically.
+Calibrate a function (:func:`calibrate`, optionally with per-module
+:mod:`~qlitert.rules`), fine-tune it with the LiteRT rounding (:func:`qat`) and
+annotate it (:func:`annotate`) — or annotate its quantization by hand with
+:mod:`qlitert.qdq` (``quant.fake_quant`` composites with static scales) — then
+:func:`export` converts it with litert-converter and validates the result
+(integer kernels only, outputs within one step of JAX); :func:`inspect` lists a
+model's ops and tensors; :class:`LiteRTModel` runs it with the LiteRT
+interpreter; :func:`save` writes it atomically.
 """
 
-from qlitert import converter, qdq
-from qlitert.annotate import Calibration, UnsupportedOpError, annotate, calibrate, qat
+from qlitert import converter, qdq, rules
+from qlitert.annotate import Annotated, annotate, calibrate, qat
+from qlitert.calibration import Calibration
 from qlitert.export import ExportError, check_agreement, check_kernels, export, save
 from qlitert.inspection import ModelReport, inspect
+from qlitert.interpreter import UnsupportedOpError
 from qlitert.runtime import LiteRTModel
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "Annotated",
     "Calibration",
     "ExportError",
     "LiteRTModel",
@@ -33,5 +37,6 @@ __all__ = [
     "inspect",
     "qat",
     "qdq",
+    "rules",
     "save",
 ]

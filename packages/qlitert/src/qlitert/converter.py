@@ -87,6 +87,48 @@ def stablehlo_to_tflite(
             config.strict_qdq_mode = True
             api.run_convert_to_tfl_passes(module, passmanager.PassManager(), config)
             api.set_signature(module.operation, signature, list(input_names), list(output_names))
-            return bytes(api.export_flatbuffer_to_bytes(module.operation))
+            tflite = bytes(api.export_flatbuffer_to_bytes(module.operation))
     except Exception as err:  # the converter raises plain RuntimeErrors with MLIR diagnostics
         raise ConverterError(f"litert-converter failed: {err}") from err
+    return widen_int16_biases(tflite)
+
+
+_INT16_BIAS_OPS = ("CONV_2D", "DEPTHWISE_CONV_2D", "TRANSPOSE_CONV")
+
+
+def widen_int16_biases(tflite: bytes) -> bytes:
+    """Stores the int32 biases of 16x8 convolutions as int64, as LiteRT's kernels read them.
+
+    litert-converter 0.5.0 writes int32 biases for convolutions with int16
+    inputs; LiteRT 2.3.0's ``CONV_2D`` then reads them as int64 without a check
+    (wrong outputs) and ``DEPTHWISE_CONV_2D`` refuses them. ``FULLY_CONNECTED``
+    takes int32 and is left alone. Models without such ops come back unchanged.
+    """
+    import flatbuffers  # noqa: PLC0415 - heavy imports, only for converted models
+    import numpy as np  # noqa: PLC0415
+    from ai_edge_litert import schema_py_generated as schema  # noqa: PLC0415
+
+    model = schema.ModelT.InitFromPackedBuf(bytearray(tflite), 0)
+    names = {v: k for k, v in vars(schema.BuiltinOperator).items() if not k.startswith("_")}
+    int16, int32 = schema.TensorType.INT16, schema.TensorType.INT32
+    changed = 0
+    for graph in model.subgraphs:
+        for op in graph.operators:
+            code = model.operatorCodes[op.opcodeIndex]
+            name = names.get(max(code.builtinCode, code.deprecatedBuiltinCode))
+            inputs = list(op.inputs)
+            if name not in _INT16_BIAS_OPS or len(inputs) < 3 or inputs[2] < 0:
+                continue
+            bias = graph.tensors[inputs[2]]
+            if graph.tensors[inputs[0]].type != int16 or bias.type != int32:
+                continue
+            buffer = model.buffers[bias.buffer]
+            data = np.frombuffer(np.asarray(buffer.data, np.uint8).tobytes(), np.int32)
+            buffer.data = data.astype(np.int64).view(np.uint8)
+            bias.type = schema.TensorType.INT64
+            changed += 1
+    if not changed:
+        return tflite
+    builder = flatbuffers.Builder(len(tflite) + 1024)
+    builder.Finish(model.Pack(builder), file_identifier=b"TFL3")
+    return bytes(builder.Output())

@@ -49,7 +49,8 @@ from qlitert import converter
 from qlitert.inspection import ModelReport, inspect
 from qlitert.runtime import LiteRTModel
 
-INTEGER_TYPES = ("INT8", "INT32")
+# int8 data, int32 biases and indices, int64 shapes (and 16x8 biases), bool masks.
+INTEGER_TYPES = ("INT8", "INT32", "INT64", "BOOL")
 
 
 class ExportError(ValueError):
@@ -77,7 +78,7 @@ def export(
     input_names: Sequence[str] | None = None,
     output_names: Sequence[str] | None = None,
     validate: bool = True,
-    compute_types: Sequence[str] = INTEGER_TYPES,
+    compute_types: Sequence[str] | None = None,
 ) -> bytes:
     """Exports, converts and validates ``fn`` (see the module docstring).
 
@@ -88,7 +89,10 @@ def export(
         input_names: Signature input names (default ``x0, x1, ...``).
         output_names: Signature output names (default ``y0, y1, ...``).
         validate: Check kernel types and agreement with JAX.
-        compute_types: Tensor types allowed inside the graph.
+        compute_types: Tensor types allowed inside the graph. Default: the types
+            an :class:`~qlitert.Annotated` function's rules ask for (e.g.
+            ``INT16``/``INT64`` for 16x8, ``INT4`` weights, ``FLOAT32`` for float
+            modules), else int8 kernels with int32 biases.
 
     Returns:
         The ``.tflite`` flatbuffer.
@@ -100,6 +104,8 @@ def export(
         raise ExportError("export(fn, *example_inputs) needs at least one example input")
     specs = [_spec(x, i) for i, x in enumerate(example_inputs)]
     exported = jax.export.export(jax.jit(fn), platforms=["cpu"])(*specs)
+    if compute_types is None:  # known once the export has traced fn
+        compute_types = getattr(fn, "compute_types", None) or INTEGER_TYPES
     n_out = len(exported.out_avals)
     tflite = converter.stablehlo_to_tflite(
         exported.mlir_module_serialized,
@@ -117,16 +123,20 @@ def export(
 
 
 def check_kernels(report: ModelReport, compute_types: Sequence[str] = INTEGER_TYPES) -> list[str]:
-    """Problems with the op types: float compute, or a DEQUANTIZE mid-graph."""
+    """Problems with the op types: disallowed types, or a DEQUANTIZE mid-graph.
+
+    With ``FLOAT32`` allowed (float modules), QUANTIZE / DEQUANTIZE may sit anywhere.
+    """
     problems = []
     graph_inputs, graph_outputs = set(report.inputs), set(report.outputs)
     allowed = set(compute_types)
+    mixed = "FLOAT32" in allowed
     for k, op in enumerate(report.ops):
         ins, outs = report.op_types(op)
-        if op.name == "QUANTIZE" and all(i in graph_inputs for i in op.inputs):
+        if op.name == "QUANTIZE" and (mixed or all(i in graph_inputs for i in op.inputs)):
             continue
         if op.name == "DEQUANTIZE":
-            if all(o in graph_outputs for o in op.outputs):
+            if mixed or all(o in graph_outputs for o in op.outputs):
                 continue
             problems.append(f"op {k} DEQUANTIZE feeds other ops (a float tensor mid-graph)")
             continue

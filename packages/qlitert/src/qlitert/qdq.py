@@ -49,18 +49,30 @@ def round_half_away(v: jax.Array) -> jax.Array:
 
 
 def activation_params(lo: Any, hi: Any, dtype: str = "i8") -> tuple[np.ndarray, np.ndarray]:
-    """TFLite's asymmetric ``(scale, zero_point)`` for the range ``[lo, hi]``.
+    """TFLite's ``(scale, zero_point)`` for activations in the range ``[lo, hi]``.
 
-    The range is widened to contain 0, and the zero point is rounded to an
-    integer code so that 0.0 is exactly representable (TFLite's nudging).
-    Returns 1-element float32 / int64 arrays.
+    int8 (and int4) activations are asymmetric: the range is widened to contain 0,
+    and the zero point is rounded to an integer code so that 0.0 is exactly
+    representable (TFLite's nudging). int16 activations are symmetric with zero
+    point 0 (TFLite's 16x8 kernels require it). Returns 1-element float32 / int64
+    arrays.
+    """
+    scale, zero_point = range_params(float(np.min(lo)), float(np.max(hi)), dtype, np)
+    return np.array([scale], np.float32), np.array([zero_point], np.int64)
+
+
+def range_params(lo: Any, hi: Any, dtype: str, xp: Any = jnp) -> tuple[Any, Any]:
+    """:func:`activation_params` as scalars, with numpy (``xp=np``) or traced (``jnp``).
+
+    QAT computes the parameters from ranges that change during training.
     """
     qmin, qmax = _check_dtype(dtype)
-    lo = min(float(np.min(lo)), 0.0)
-    hi = max(float(np.max(hi)), 0.0)
-    scale = (hi - lo) / (qmax - qmin) if hi > lo else 1.0
-    zero_point = int(np.clip(np.round(qmin - lo / scale), qmin, qmax))
-    return np.array([scale], np.float32), np.array([zero_point], np.int64)
+    lo, hi = xp.minimum(lo, 0.0), xp.maximum(hi, 0.0)
+    if dtype == "i16":
+        absmax = xp.maximum(-lo, hi)
+        return xp.where(absmax > 0, absmax / qmax, 1.0), xp.zeros_like(absmax)
+    scale = xp.where(hi > lo, (hi - lo) / (qmax - qmin), 1.0)
+    return scale, xp.clip(xp.round(qmin - lo / scale), qmin, qmax)
 
 
 def weight_scales(w: Any, axis: int, dtype: str = "i8") -> np.ndarray:
@@ -95,6 +107,43 @@ def _broadcast(v: np.ndarray, x: jax.Array, axis: int | None) -> jax.Array:
     return jnp.asarray(v, jnp.float32).reshape(shape)
 
 
+def quantize_dequantize(
+    x: jax.Array,
+    scale: Any,
+    zero_point: Any,
+    qmin: int,
+    qmax: int,
+    *,
+    pool_count: int | None = None,
+) -> jax.Array:
+    """The numerics of :func:`fake_quant` with broadcastable, possibly traced parameters.
+
+    No annotation: QAT uses it with parameters computed from moving ranges.
+    """
+    if pool_count is not None:
+        q = _pooled_codes(x, scale, zero_point, pool_count)
+    else:
+        q = round_half_away(x.astype(jnp.float32) / scale) + zero_point
+    q = jnp.clip(q, qmin, qmax)
+    return ((q - zero_point) * scale).astype(x.dtype)
+
+
+def _pooled_codes(mean: jax.Array, scale: Any, zero_point: Any, n: int) -> jax.Array:
+    """The code TFLite's average pooling gives for the mean of ``n`` codes.
+
+    Its int8 kernel (reference and optimized; XNNPACK does not take int8 average
+    pooling) sums the window's codes, zero point included, and divides in
+    integers, rounding half away from zero: ``(acc ± n/2) / n`` truncated. Ties
+    are common (a quarter of 2x2 windows), so the sum is recovered exactly from
+    the mean of the fake-quantized inputs and divided in integers: a float
+    division lands ties on either side (and XLA turns ``/ 6`` into ``* (1/6)``).
+    """
+    acc = (jnp.round(mean.astype(jnp.float32) * n / scale) + n * zero_point).astype(jnp.int32)
+    half = n // 2
+    q = jnp.where(acc > 0, (acc + half) // n, -((half - acc) // n))
+    return q.astype(jnp.float32)
+
+
 def fake_quant(
     x: jax.Array,
     scale: Any,
@@ -103,7 +152,7 @@ def fake_quant(
     narrow_range: bool = False,
     axis: int | None = None,
     dtype: str = "i8",
-    round_codes: bool = False,
+    pool_count: int | None = None,
     composite: bool = True,
 ) -> jax.Array:
     """``x`` quantized and dequantized, annotated as ``quant.fake_quant``.
@@ -115,9 +164,10 @@ def fake_quant(
         narrow_range: Skip the most negative code (symmetric weights).
         axis: The quantized dimension of per-channel scales.
         dtype: ``"i8"``, ``"i16"`` or ``"i4"``.
-        round_codes: Round ``x / scale + zero_point`` (kernels that average codes,
-            like ``AVERAGE_POOL_2D``) instead of ``x / scale`` (``QUANTIZE``). Only
-            JAX's numerics change; the annotation is the same.
+        pool_count: ``x`` is the average of this many values already quantized
+            with the same parameters (``AVERAGE_POOL_2D``, which keeps its input's
+            scale): round as that kernel does. Only JAX's numerics change; the
+            annotation is the same.
         composite: False returns the same numerics without the annotation
             (differentiable by ``jax.grad``, which composites are not).
     """
@@ -129,10 +179,7 @@ def fake_quant(
     def decomposition(x: jax.Array, **a: Any) -> jax.Array:
         s = _broadcast(a["scale"], x, axis)
         z = _broadcast(a["zero_point"].astype(np.float32), x, axis)
-        v = x.astype(jnp.float32) / s
-        q = round_half_away(v + z) if round_codes else round_half_away(v) + z
-        q = jnp.clip(q, qmin, qmax)
-        return ((q - z) * s).astype(x.dtype)
+        return quantize_dequantize(x, s, z, qmin, qmax, pool_count=pool_count)
 
     if not composite:
         return decomposition(x, **attrs)

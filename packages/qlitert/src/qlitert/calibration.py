@@ -1,0 +1,129 @@
+"""Activation ranges of a function's quantization sites: moving averages of min/max.
+
+A :class:`Calibration` belongs to one function and one set of rules: its sites
+are named by the order in which the function computes them, the op and the
+module path, so :func:`qlitert.annotate` and :func:`qlitert.qat` read it back
+with the rules it was made with.
+
+During QAT the ranges are a pytree (:meth:`Calibration.state`) that the training
+step updates (:func:`update_range`) and returns; :meth:`Calibration.with_state`
+turns the trained state back into a calibration for export.
+
+Example:
+    >>> import numpy as np
+    >>> from qlitert import Calibration
+    >>> cal = Calibration(momentum=0.5)
+    >>> cal.observe("s", np.array([-1.0, 3.0]))
+    >>> cal.observe("s", np.array([-3.0, 1.0]))  # a cumulative average for 2 batches
+    >>> cal.ranges["s"]
+    [-2.0, 2.0]
+    >>> scale, zero_point = cal.params("s")
+    >>> round(float(scale[0]) * 255, 6), int(zero_point[0])
+    (4.0, 0)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import qflax
+from qlitert import qdq
+
+
+def _rate(count: Any, momentum: float, xp: Any) -> Any:
+    """Weight of a new batch: a cumulative average until ``1 / (1 - momentum)`` batches."""
+    return xp.maximum(1.0 / (count + 1.0), 1.0 - momentum)
+
+
+@dataclasses.dataclass
+class Calibration:
+    """Per-site activation ranges: moving averages of per-batch min and max.
+
+    Attributes:
+        ranges: ``site -> [lo, hi]``.
+        counts: ``site -> batches seen``.
+        momentum: Weight of the old value once ``1 / (1 - momentum)`` batches were
+            seen (a cumulative average before that).
+        rules: The rules the sites were found with (see :mod:`qlitert.rules`).
+        strict: Whether unsupported ops raised (else they stayed float).
+    """
+
+    ranges: dict[str, list[float]] = dataclasses.field(default_factory=dict)
+    counts: dict[str, int] = dataclasses.field(default_factory=dict)
+    momentum: float = 0.99
+    rules: tuple[qflax.QuantizationRule, ...] = ()
+    strict: bool = True
+
+    def observe(self, site: str, x: Any) -> None:
+        """Folds one batch's range of ``x`` into ``site``'s moving average."""
+        x = np.asarray(x)
+        x = x[np.isfinite(x)]  # NaN and inf say nothing about the range
+        if x.size == 0:
+            return
+        lo, hi = float(np.min(x)), float(np.max(x))
+        n = self.counts.get(site, 0)
+        rate = float(_rate(n, self.momentum, np))
+        old = self.ranges.get(site, [lo, hi])
+        self.ranges[site] = [old[0] + (lo - old[0]) * rate, old[1] + (hi - old[1]) * rate]
+        self.counts[site] = n + 1
+
+    def params(self, site: str, dtype: str = "i8") -> tuple[np.ndarray, np.ndarray]:
+        """TFLite ``(scale, zero_point)`` of a calibrated site (see :mod:`qlitert.qdq`).
+
+        Raises:
+            KeyError: If no calibration batch reached the site.
+        """
+        lo, hi = self._range(site)
+        return qdq.activation_params(lo, hi, dtype)
+
+    def _range(self, site: str) -> list[float]:
+        if site not in self.ranges:
+            raise KeyError(
+                f"site {site!r} was never calibrated: run calibrate() on the same function "
+                f"(calibrated sites: {sorted(self.ranges)[:5]}...)"
+            )
+        return self.ranges[site]
+
+    def state(self) -> dict[str, jax.Array]:
+        """The ranges as a pytree for training: ``site -> [lo, hi, count]`` (float32)."""
+        return {
+            site: jnp.array([lo, hi, self.counts[site]], jnp.float32)
+            for site, (lo, hi) in self.ranges.items()
+        }
+
+    def with_state(self, state: dict[str, Any]) -> Calibration:
+        """A copy whose ranges and counts come from a (trained) :meth:`state`.
+
+        Raises:
+            ValueError: If ``state`` has other sites than this calibration.
+        """
+        if set(state) != set(self.ranges):
+            missing, extra = set(self.ranges) - set(state), set(state) - set(self.ranges)
+            raise ValueError(
+                f"state does not fit this calibration: missing sites {sorted(missing)}, "
+                f"unknown sites {sorted(extra)}"
+            )
+        values = {site: np.asarray(v, np.float64) for site, v in state.items()}
+        return dataclasses.replace(
+            self,
+            ranges={site: [float(v[0]), float(v[1])] for site, v in values.items()},
+            counts={site: int(v[2]) for site, v in values.items()},
+        )
+
+
+def update_range(entry: jax.Array, x: jax.Array, momentum: float) -> jax.Array:
+    """One batch folded into a traced ``[lo, hi, count]`` entry, as ``Calibration.observe``."""
+    x = jax.lax.stop_gradient(x)
+    finite = jnp.isfinite(x)
+    lo = jnp.min(jnp.where(finite, x, jnp.inf))
+    hi = jnp.max(jnp.where(finite, x, -jnp.inf))
+    rate = _rate(entry[2], momentum, jnp)
+    ok = jnp.any(finite)
+    new = jnp.stack([entry[0] + (lo - entry[0]) * rate, entry[1] + (hi - entry[1]) * rate])
+    new = jnp.where(ok, new, entry[:2])
+    return jnp.concatenate([new, entry[2:] + ok.astype(entry.dtype)])

@@ -1,0 +1,515 @@
+"""The jaxpr interpreter behind :func:`qlitert.calibrate`, ``annotate`` and ``qat``.
+
+It runs a function's jaxpr equation by equation and decides, for every value,
+how TFLite's integer kernels will represent it (:class:`_Q`): a constant
+(weight), a quantized tensor with its parameters, a *pending* value (a
+matmul/convolution output waiting for the bias add, batch norm and ReLU that
+TFLite fuses into the kernel), or float. Where TFLite quantizes, it inserts a
+quantization *site*: observed (calibrate), annotated with a ``quant.fake_quant``
+composite (annotate), or fake-quantized with a straight-through gradient (QAT).
+The types of each site come from the rules matched by the module path of the
+op that produces it (:mod:`qlitert.rules`, :mod:`qlitert.scopes`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import extend as jex
+
+from qlitert import qdq, rules, scopes
+from qlitert.calibration import Calibration, update_range
+
+# Ops whose output has its input's scale (TFLite shares it).
+PRESERVING = {
+    "reshape", "transpose", "squeeze", "expand_dims", "slice", "dynamic_slice",
+    "reduce_window_max", "copy", "copy_p", "broadcast_in_dim", "pad", "gather",
+    "rev",
+}  # fmt: skip
+# Ops that compute a new value: inputs quantized, output quantized at its own range.
+COMPUTING = {
+    "add", "sub", "mul", "concatenate", "tanh", "logistic", "max", "min", "neg",
+    "square", "integer_pow", "rsqrt", "sqrt", "exp", "abs",
+}  # fmt: skip
+CALLS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
+
+
+class UnsupportedOpError(ValueError):
+    """An op qlitert cannot quantize for LiteRT (strict mode)."""
+
+
+@dataclasses.dataclass
+class _Q:
+    """How a value is represented: const (a weight), q (quantized), pending, float, int.
+
+    ``origin`` is the equation that produced a pending value (its rule decides
+    the type of the value's site); ``inherit`` is the window size of an average
+    pooling, whose output keeps its input's parameters.
+    """
+
+    kind: str
+    scale: Any = None
+    zero_point: Any = None
+    dtype: str = "i8"
+    inherit: int = 0  # the pooling window's size
+    origin: Any = None
+
+
+@dataclasses.dataclass
+class _Deferred:
+    """A matmul/convolution with a constant weight, not computed yet.
+
+    Per-output-channel affine constants that follow it (bias adds, batch-norm
+    ``sub``/``mul``) are folded in: ``y = op(x, w * scale) + offset``, so the weight
+    is quantized *after* folding, as TFLite's converter folds batch norm.
+    """
+
+    eqn: Any
+    x: Any
+    w: Any
+    w_axis: int
+    out_axis: int
+    scale: Any = None
+    offset: Any = None
+
+
+class Interpreter:
+    """Runs a jaxpr, inserting (annotate), observing (calibrate) or training (QAT) sites.
+
+    Args:
+        calibration: The ranges (and the rules they were made with).
+        observe: Record ranges instead of quantizing (calibration).
+        strict: Raise on ops that cannot be quantized.
+        train: Straight-through fake quantization for QAT.
+        state: In training, ``site -> [lo, hi, count]`` (traced); updated into
+            ``new_state`` when ``update_ranges``.
+    """
+
+    def __init__(
+        self,
+        calibration: Calibration,
+        *,
+        observe: bool,
+        strict: bool,
+        train: bool = False,
+        state: dict[str, Any] | None = None,
+        update_ranges: bool = False,
+    ) -> None:
+        self.cal, self.observing, self.strict, self.train = calibration, observe, strict, train
+        self.state, self.update_ranges = state, update_ranges
+        self.new_state: dict[str, Any] = {}
+        self.counter = 0
+        self.used_rules: set[int] = set()
+        self.seen: set[str] = set()  # the types used: "i8", "i16", "i4", "f32"
+        self.outer: list[str] = []  # name stacks of the calls being interpreted
+
+    # -- where and how -------------------------------------------------------
+
+    def where(self, eqn: Any | None) -> str:
+        """The name stack of ``eqn`` (its caller's inside calls that record none)."""
+        stack = "" if eqn is None else str(eqn.source_info.name_stack)
+        return stack or (self.outer[-1] if self.outer else "")
+
+    def describe(self, eqn: Any | None) -> str:
+        """The module of ``eqn`` for messages: its path, or the root's class name."""
+        where = self.where(eqn)
+        path = scopes.module_path(where)
+        if path:
+            return repr(path)
+        root = where.split("/")[0]
+        return f"'' (the root module{' ' + root if root else ''})"
+
+    def types(self, eqn: Any | None) -> rules.OpTypes:
+        """The LiteRT types of ``eqn``'s outputs and weights (``None``: the boundary)."""
+        path = scopes.module_path(self.where(eqn))
+        i = rules.match(self.cal.rules, path) if self.cal.rules else None
+        if i is not None:
+            self.used_rules.add(i)
+        return rules.types_for(self.cal.rules, path)
+
+    # -- quantization --------------------------------------------------------
+
+    def fq(self, x: Any, q: _Q, *, pool_count: int | None = None) -> Any:
+        """Fake quantization with ``q``'s (per-tensor) parameters: annotation or QAT."""
+        if self.train:
+            qmin, qmax = qdq.RANGES[q.dtype]
+            scale, zp = (_scalar(v) for v in (q.scale, q.zero_point))
+            y = qdq.quantize_dequantize(
+                jax.lax.stop_gradient(x), scale, zp, qmin, qmax, pool_count=pool_count
+            )
+            return _ste(x, jax.lax.stop_gradient(y))
+        return qdq.fake_quant(x, q.scale, q.zero_point, dtype=q.dtype, pool_count=pool_count)
+
+    def key(self, eqn: Any | None, label: str) -> str:
+        """The next site's name: its number, label and name stack."""
+        key = f"{self.counter}:{label}@{self.where(eqn)}"
+        self.counter += 1
+        return key
+
+    def site(
+        self, x: Any, eqn: Any | None, label: str, types: rules.OpTypes | None = None
+    ) -> tuple[Any, _Q]:
+        """A quantization site on ``x`` (float when the rule's ``act_qtype`` is None)."""
+        key = self.key(eqn, label)
+        dtype = (types or self.types(eqn)).act
+        self.seen.add(dtype or "f32")
+        if dtype is None:
+            return x, _Q("float")
+        if self.observing:
+            self.cal.observe(key, np.asarray(x))
+            return x, _Q("q", dtype=dtype)
+        if self.train and self.state is not None:
+            if key not in self.state:
+                self.cal.params(key)  # raises the "never calibrated" error
+            entry = self.state[key]
+            if self.update_ranges:
+                entry = update_range(entry, x, self.cal.momentum)
+            self.new_state[key] = entry
+            scale, zp = jax.lax.stop_gradient(qdq.range_params(entry[0], entry[1], dtype))
+            q = _Q("q", scale, zp, dtype)
+        else:
+            scale, zp = self.cal.params(key, dtype)
+            q = _Q("q", scale, zp, dtype)
+        return self.fq(x, q), q
+
+    def materialize(
+        self, x: Any, q: _Q, eqn: Any | None, label: str, *, float_op: bool = False
+    ) -> tuple[Any, _Q]:
+        """``x`` as an input of ``eqn``: quantized, unless ``eqn`` computes in float."""
+        if q.kind == "int":  # indices, counts: not quantized
+            return x, q
+        if q.inherit:  # TFLite's AVERAGE_POOL_2D keeps its input's scale: no new site
+            done = dataclasses.replace(q, kind="q", inherit=0, origin=None)
+            if self.observing:
+                return x, done
+            return self.fq(x, done, pool_count=q.inherit), done
+        if q.kind == "pending":  # the producer's rule types its output
+            return self.site(x, eqn, label, self.types(q.origin))
+        if float_op or q.kind == "q":
+            return x, q
+        return self.site(x, eqn, label if q.kind == "float" else f"{label}.const")
+
+    def weight(self, w: Any, axis: int | None, dtype: str | None) -> Any:
+        """A matmul/convolution weight: symmetric narrow range, per output channel."""
+        self.seen.add(dtype or "f32")
+        if self.observing or dtype is None:
+            return w
+        if self.train:
+            return _ste_weight(w, axis, qdq.RANGES[dtype][1])
+        w = np.asarray(w, np.float32)
+        if axis is None:
+            absmax = max(float(np.max(np.abs(w))), 1e-12)
+            scale = np.array([absmax / qdq.RANGES[dtype][1]], np.float32)
+            return qdq.fake_quant(jnp.asarray(w), scale, narrow_range=True, dtype=dtype)
+        return qdq.fake_quant(
+            jnp.asarray(w),
+            qdq.weight_scales(w, axis, dtype),
+            narrow_range=True,
+            axis=axis,
+            dtype=dtype,
+        )
+
+    # -- the jaxpr -----------------------------------------------------------
+
+    def run(
+        self, jaxpr: Any, consts: list[Any], args: list[tuple[Any, _Q]]
+    ) -> list[tuple[Any, _Q]]:
+        """Interprets ``jaxpr``; returns its outputs with their representations."""
+        env: dict[Any, tuple[Any, _Q]] = {}
+
+        def read_raw(v: Any) -> tuple[Any, _Q]:
+            if isinstance(v, jex.core.Literal):
+                return v.val, _Q("const")
+            return env[v]
+
+        def read(v: Any) -> tuple[Any, _Q]:
+            return self.realize(read_raw(v))
+
+        for v, c in zip(jaxpr.constvars, consts, strict=True):
+            env[v] = (c, _Q("const"))
+        for v, a in zip(jaxpr.invars, args, strict=True):
+            env[v] = a
+        eqns, i = list(jaxpr.eqns), 0
+        while i < len(eqns):
+            kind, n = _match(eqns, i)
+            if kind is not None:
+                block = eqns[i : i + n]
+                env[block[-1].outvars[0]] = self.fused(kind, block, read)
+                i += n
+                continue
+            eqn = eqns[i]
+            ins = [read_raw(v) for v in eqn.invars]
+            outs = self.eqn(eqn, ins)
+            for v, o in zip(eqn.outvars, outs, strict=True):
+                env[v] = o
+            i += 1
+        return [read(v) for v in jaxpr.outvars]
+
+    def fused(self, kind: str, block: list[Any], read: Callable[[Any], Any]) -> tuple[Any, _Q]:
+        """A softmax or GELU block: one TFLite kernel, quantized input and output only."""
+        types = self.types(block[-1])
+        x, q = read(block[0].invars[0])
+        x, _ = self.materialize(x, q, block[0], kind, float_op=types.act is None)
+        local: dict[Any, Any] = {block[0].invars[0]: x}
+
+        def value(v: Any) -> Any:
+            if isinstance(v, jex.core.Literal):
+                return v.val
+            return local[v] if v in local else read(v)[0]
+
+        for eqn in block:
+            for v, o in zip(eqn.outvars, _bind(eqn, [value(v) for v in eqn.invars]), strict=True):
+                local[v] = o
+        y = local[block[-1].outvars[0]]
+        if kind != "softmax" or types.act is None:
+            return self.site(y, block[-1], kind, types)
+        self.key(block[-1], kind)  # a site (numbered as the others), with fixed parameters
+        # TFLite's int8 SOFTMAX has a fixed output scale 1/256 and zero point -128;
+        # its int16 one 1/32768 and 0.
+        if types.act == "i16":
+            fixed = _Q("q", np.array([1 / 32768], np.float32), np.array([0], np.int64), "i16")
+        else:
+            fixed = _Q("q", np.array([1 / 256], np.float32), np.array([-128], np.int64), "i8")
+        return (y if self.observing else self.fq(y, fixed)), fixed
+
+    def realize(self, entry: tuple[Any, _Q]) -> tuple[Any, _Q]:
+        """Computes a deferred contraction (with its folded constants)."""
+        d, q = entry
+        if not isinstance(d, _Deferred):
+            return entry
+        w = d.w
+        if d.scale is not None:
+            with jax.ensure_compile_time_eval():  # a concrete weight stays concrete
+                w = w * _along(d.scale, np.ndim(w), d.w_axis)
+        y = _bind(d.eqn, [d.x, self.weight(w, d.w_axis, self.types(d.eqn).weight)])[0]
+        if d.offset is not None:
+            y = y + jnp.asarray(_along(d.offset, y.ndim, d.out_axis), y.dtype)
+        return y, q
+
+    def fold(self, eqn: Any, ins: list[tuple[Any, _Q]]) -> list[tuple[Any, _Q]] | None:
+        """Folds ``deferred (+|-|*|/) constant`` into the deferred contraction, if it fits."""
+        name = eqn.primitive.name
+        if name not in ("add", "sub", "mul", "div") or len(ins) != 2:
+            return None
+        (x, qx), (c, qc) = ins
+        if not isinstance(x, _Deferred) and name in ("add", "mul"):
+            (c, qc), (x, qx) = ins
+        if not isinstance(x, _Deferred) or qc.kind != "const":
+            return None
+        # Constants stay numpy (static composite attributes) unless training traces them.
+        xp: Any = jnp if self.train else np
+        n = eqn.outvars[0].aval.shape[x.out_axis]
+        v = _channel_vector(xp, c, eqn.outvars[0].aval.ndim, x.out_axis, n)
+        if v is None:
+            return None
+        one, zero = xp.ones((n,), xp.float32), xp.zeros((n,), xp.float32)
+        scale = one if x.scale is None else x.scale
+        offset = zero if x.offset is None else x.offset
+        if name == "add":
+            offset = offset + v
+        elif name == "sub":
+            offset = offset - v
+        elif name == "mul":
+            scale, offset = scale * v, offset * v
+        else:
+            scale, offset = scale / v, offset / v
+        return [(dataclasses.replace(x, scale=scale, offset=offset), qx)]
+
+    def eqn(self, eqn: Any, ins: list[tuple[Any, _Q]]) -> list[tuple[Any, _Q]]:
+        """One equation: how TFLite computes it decides where its sites go."""
+        folded = self.fold(eqn, ins)
+        if folded is not None:
+            return folded
+        ins = [self.realize(e) for e in ins]
+        name = eqn.primitive.name
+        values = [x for x, _ in ins]
+        kinds = [q.kind for _, q in ins]
+        inner = next((eqn.params[k] for k in CALLS if k in eqn.params), None)
+        if inner is not None:
+            closed = inner if hasattr(inner, "jaxpr") else None
+            jaxpr = closed.jaxpr if closed is not None else inner
+            consts = list(closed.consts) if closed is not None else []
+            skip = eqn.params.get("num_consts", 0) if name.startswith("custom_vjp") else 0
+            self.outer.append(self.where(eqn))
+            try:
+                return self.run(jaxpr, consts, ins[skip:] if skip else ins)
+            finally:
+                self.outer.pop()
+        if all(k == "const" for k in kinds):  # constant folding (bias reshapes...)
+            # Eagerly, even inside jax.export's trace: folded weights must stay
+            # concrete to become static composite attributes.
+            with jax.ensure_compile_time_eval():
+                return [(o, _Q("const")) for o in _bind(eqn, values)]
+        if name == "convert_element_type" and jnp.issubdtype(eqn.params["new_dtype"], jnp.floating):
+            return [ins[0]]
+        if all(k in ("int", "const") for k in kinds) and _integer(eqn.outvars):
+            return [(o, _Q("int")) for o in _bind(eqn, values)]  # index arithmetic
+        types = self.types(eqn)
+        if types.act is None and name not in PRESERVING:
+            return self.float_op(eqn, ins)
+        if name in ("dot_general", "conv_general_dilated"):
+            return [self.contraction(eqn, ins, types)]
+        pending = next((q for _, q in ins if q.kind == "pending" and not q.inherit), None)
+        if name in ("max", "min") and pending is not None and sorted(kinds) == ["const", "pending"]:
+            return [(_bind(eqn, values)[0], pending)]  # ReLU / ReLU6: fused
+        if name == "clamp" and pending is not None and kinds == ["const", "pending", "const"]:
+            return [(_bind(eqn, values)[0], pending)]  # clip(x, 0, 6): fused as ReLU6
+        if name == "reduce_window_sum":  # average pool (with the div): input's scale
+            if any(lo or hi for lo, hi in eqn.params["padding"]):
+                return self.unsupported(eqn, ins, "average pooling with padding ('SAME')")
+            x, q = self.materialize(values[0], ins[0][1], eqn, name)
+            n = int(np.prod(eqn.params["window_dimensions"]))
+            return [(_bind(eqn, [x])[0], dataclasses.replace(q, kind="pending", inherit=n))]
+        if name == "reduce_sum":  # a mean (with a div) or a sum: a new scale
+            x, _ = self.materialize(values[0], ins[0][1], eqn, name)
+            return [(_bind(eqn, [x])[0], _Q("pending", origin=eqn))]
+        if name == "div" and kinds == ["pending", "const"]:
+            return [(_bind(eqn, values)[0], ins[0][1])]
+        if name in PRESERVING and kinds[0] == "pending":  # same values: quantize later
+            return [(o, ins[0][1]) for o in _bind(eqn, values)]
+        if name in PRESERVING and kinds[0] in ("q", "float", "const"):
+            # (A constant here is a table that gather/dynamic_slice look up: int8 too.)
+            x, q = self.materialize(values[0], ins[0][1], eqn, name)
+            return [(o, q) for o in _bind(eqn, [x, *values[1:]])]
+        if name in COMPUTING:
+            xs = [self.materialize(x, q, eqn, name)[0] for x, q in ins]
+            out = _bind(eqn, xs)[0]
+            return [self.site(out, eqn, name, types)]
+        return self.unsupported(eqn, ins, f"op {name!r}")
+
+    def unsupported(self, eqn: Any, ins: list[tuple[Any, _Q]], what: str) -> list:
+        """Raises (strict), or computes ``eqn`` in float."""
+        if self.strict:
+            raise UnsupportedOpError(
+                f"{what} in module {self.describe(eqn)} cannot be quantized for LiteRT by "
+                "qlitert; pass strict=False to leave it in float, or a rule without "
+                "act_qtype for its module"
+            )
+        return self.float_op(eqn, ins)
+
+    def float_op(self, eqn: Any, ins: list[tuple[Any, _Q]]) -> list[tuple[Any, _Q]]:
+        """``eqn`` computed in float: quantized inputs are dequantized, output float."""
+        name = eqn.primitive.name
+        self.seen.add("f32")
+        xs = [self.materialize(x, q, eqn, name, float_op=True)[0] for x, q in ins]
+        return [(o, _Q("float")) for o in _bind(eqn, xs)]
+
+    def contraction(self, eqn: Any, ins: list[tuple[Any, _Q]], types: rules.OpTypes) -> tuple:
+        """A matmul/convolution: a constant weight is deferred to fold what follows."""
+        (a, qa), (b, qb) = ins
+        name = eqn.primitive.name
+        if qa.kind == "const" and qb.kind != "const":
+            raise UnsupportedOpError(
+                f"{name} with the weight on the left in module "
+                f"{self.describe(eqn)}: TFLite kernels take it on the right"
+            )
+        a, _ = self.materialize(a, qa, eqn, f"{name}.lhs")
+        pending = _Q("pending", origin=eqn)
+        w_axis = _out_axis(eqn, np.ndim(b)) if qb.kind == "const" else None
+        if qb.kind == "const" and w_axis is not None:
+            return _Deferred(eqn, a, b, w_axis, _result_axis(eqn)), pending
+        if qb.kind == "const":
+            b = self.weight(b, w_axis, types.weight)
+        else:
+            b, _ = self.materialize(b, qb, eqn, f"{name}.rhs")
+        return _bind(eqn, [a, b])[0], pending
+
+
+# Primitive sequences of jax.nn.softmax and of Flax's (tanh-approximated) gelu in
+# jax 0.10.2's jaxprs; the converter turns each into one SOFTMAX / GELU kernel when
+# no quantization sits inside.
+_FUSED = {
+    "softmax": [
+        ["reduce_max", "max", "broadcast_in_dim", "stop_gradient", "sub", "exp",
+         "reduce_sum", "broadcast_in_dim", "div"],
+        ["reduce_max", "broadcast_in_dim", "stop_gradient", "sub", "exp", "reduce_sum",
+         "broadcast_in_dim", "div"],
+    ],
+    "gelu": [["integer_pow", "mul", "add", "mul", "tanh", "add", "mul", "mul"]],
+}  # fmt: skip
+_INPUT_USES = {"softmax": 2, "gelu": 3}
+
+
+def _match(eqns: list[Any], i: int) -> tuple[str | None, int]:
+    """The fused block (softmax, gelu) starting at ``eqns[i]``, and its length."""
+    for kind, sequences in _FUSED.items():
+        for names in sequences:
+            block = eqns[i : i + len(names)]
+            if [e.primitive.name for e in block] != names:
+                continue
+            x = block[0].invars[0]
+            # The block's input feeds exactly these ops: softmax's reduce_max and sub;
+            # gelu's integer_pow, first add and last mul.
+            if sum(x in e.invars for e in block) == _INPUT_USES[kind]:
+                return kind, len(names)
+    return None, 0
+
+
+def _out_axis(eqn: Any, ndim: int) -> int | None:
+    """The weight's output-channel axis (None: several, use one scale)."""
+    if eqn.primitive.name == "conv_general_dilated":
+        return int(eqn.params["dimension_numbers"].rhs_spec[0])
+    (_, rc), (_, rb) = eqn.params["dimension_numbers"]
+    free = [i for i in range(ndim) if i not in rc and i not in rb]
+    return free[0] if len(free) == 1 and not rb else None
+
+
+def _result_axis(eqn: Any) -> int:
+    """The output axis holding a contraction's output channels."""
+    if eqn.primitive.name == "conv_general_dilated":
+        return int(eqn.params["dimension_numbers"].out_spec[1])
+    return eqn.outvars[0].aval.ndim - 1  # dot_general: the weight's free axis comes last
+
+
+def _channel_vector(xp: Any, c: Any, ndim: int, axis: int, n: int) -> Any:
+    """``c`` as an ``(n,)`` vector if it varies at most along ``axis`` of an ``ndim`` result."""
+    shape = tuple(np.shape(c))
+    if len(shape) > ndim:
+        return None
+    full = (1,) * (ndim - len(shape)) + shape
+    if any(d != 1 for i, d in enumerate(full) if i != axis) or full[axis] not in (1, n):
+        return None
+    return xp.broadcast_to(xp.reshape(xp.asarray(c, xp.float32), (-1,)), (n,))
+
+
+def _along(v: Any, ndim: int, axis: int) -> Any:
+    """A per-channel vector shaped to broadcast along ``axis`` of an ``ndim`` array."""
+    shape = [1] * ndim
+    shape[axis] = -1
+    return v.reshape(shape)
+
+
+def _scalar(v: Any) -> jax.Array:
+    return jnp.reshape(jnp.asarray(v, jnp.float32), ())
+
+
+def _integer(avals: list[Any]) -> bool:
+    return all(jnp.issubdtype(v.aval.dtype, jnp.integer) for v in avals)
+
+
+def _bind(eqn: Any, values: list[Any]) -> list[Any]:
+    out = eqn.primitive.bind(*values, **eqn.params)
+    return list(out) if eqn.primitive.multiple_results else [out]
+
+
+@jax.custom_vjp
+def _ste(x: Any, fq: Any) -> Any:
+    """``fq`` forward, identity gradient to ``x`` (straight-through estimator)."""
+    return fq
+
+
+_ste.defvjp(lambda x, fq: (fq, None), lambda _, g: (g, jnp.zeros_like(g)))
+
+
+def _ste_weight(w: Any, axis: int | None, qmax: int) -> Any:
+    """Symmetric narrow-range fake quantization of a traced weight, with an STE."""
+    reduce = tuple(a for a in range(w.ndim) if a != axis) if axis is not None else None
+    absmax = jax.lax.stop_gradient(jnp.max(jnp.abs(w), axis=reduce, keepdims=True))
+    scale = jnp.where(absmax > 0, absmax / qmax, 1.0)
+    q = jnp.clip(qdq.round_half_away(w / scale), -qmax, qmax) * scale
+    return _ste(w, jax.lax.stop_gradient(q))
