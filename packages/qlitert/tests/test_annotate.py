@@ -22,9 +22,11 @@ def convert(fn, batches):
 def assert_integer_kernels(report):
     for op in report.ops[1:-1]:  # between the input QUANTIZE and the output DEQUANTIZE
         ins, outs = report.op_types(op)
-        assert set(ins + outs) <= {"INT8", "INT32"}, (op.name, ins, outs)
-        if op.name in ("FULLY_CONNECTED", "CONV_2D", "DEPTHWISE_CONV_2D"):
-            weight = report.tensors[op.inputs[1]]
+        # int8 data; int32 biases and indices, int64 shapes and paddings, bool masks.
+        assert set(ins + outs) <= {"INT8", "INT32", "INT64", "BOOL"}, (op.name, ins, outs)
+        assert "INT8" in outs or set(outs) <= {"INT32", "BOOL"}, (op.name, outs)
+        weight = report.tensors[op.inputs[1]] if len(op.inputs) > 1 else None
+        if op.name in ("FULLY_CONNECTED", "CONV_2D", "DEPTHWISE_CONV_2D") and weight.constant_bytes:
             assert weight.dtype == "INT8" and set(weight.zero_point) == {0}
             assert len(weight.scale) == weight.shape[weight.quantized_dimension]  # per channel
             if len(op.inputs) > 2:

@@ -330,6 +330,11 @@ class Interpreter:
         values = [x for x, _ in ins]
         kinds = [q.kind for _, q in ins]
         inner = next((eqn.params[k] for k in CALLS if k in eqn.params), None)
+        if eqn.params.get("name") in NAMED_KERNELS and all(k == "const" for k in kinds[1:]):
+            types = self.types(eqn)
+            x, _ = self.materialize(values[0], ins[0][1], eqn, name, float_op=types.act is None)
+            out = _bind(eqn, [x, *values[1:]])[0]
+            return [self.site(out, eqn, str(eqn.params["name"]), types)]
         if inner is not None:
             closed = inner if hasattr(inner, "jaxpr") else None
             jaxpr = closed.jaxpr if closed is not None else inner
@@ -348,7 +353,7 @@ class Interpreter:
         if name == "convert_element_type" and jnp.issubdtype(eqn.params["new_dtype"], jnp.floating):
             return [ins[0]]
         if all(k in ("int", "const") for k in kinds) and _integer(eqn.outvars):
-            return [(o, _Q("int")) for o in _bind(eqn, values)]  # index arithmetic
+            return [(o, _Q("int")) for o in _bind(eqn, values)]  # index arithmetic, masks
         types = self.types(eqn)
         if types.act is None and name not in PRESERVING:
             return self.float_op(eqn, ins)
@@ -403,13 +408,13 @@ class Interpreter:
         """A matmul/convolution: a constant weight is deferred to fold what follows."""
         (a, qa), (b, qb) = ins
         name = eqn.primitive.name
-        if qa.kind == "const" and qb.kind != "const":
-            raise UnsupportedOpError(
-                f"{name} with the weight on the left in module "
-                f"{self.describe(eqn)}: TFLite kernels take it on the right"
-            )
-        a, _ = self.materialize(a, qa, eqn, f"{name}.lhs")
         pending = _Q("pending", origin=eqn)
+        if qa.kind == "const" and qb.kind != "const":
+            # A constant on the left (e.g. jax.image.resize's interpolation matrices):
+            # the converter transposes around a FULLY_CONNECTED; one scale, no folding.
+            b, _ = self.materialize(b, qb, eqn, f"{name}.rhs")
+            return _bind(eqn, [self.weight(a, None, types.weight), b])[0], pending
+        a, _ = self.materialize(a, qa, eqn, f"{name}.lhs")
         w_axis = _out_axis(eqn, np.ndim(b)) if qb.kind == "const" else None
         if qb.kind == "const" and w_axis is not None:
             return _Deferred(eqn, a, b, w_axis, _result_axis(eqn)), pending
@@ -433,6 +438,10 @@ _FUSED = {
     "gelu": [["integer_pow", "mul", "add", "mul", "tanh", "add", "mul", "mul"]],
 }  # fmt: skip
 _INPUT_USES = {"softmax": 2, "gelu": 3}
+# jax.nn functions that run as named jit calls and that the converter turns into
+# one int8 kernel (LEAKY_RELU, HARD_SWISH) when only their input and output are
+# quantized.
+NAMED_KERNELS = ("leaky_relu", "hard_silu", "hard_swish")
 
 
 def _match(eqns: list[Any], i: int) -> tuple[str | None, int]:
@@ -489,7 +498,8 @@ def _scalar(v: Any) -> jax.Array:
 
 
 def _integer(avals: list[Any]) -> bool:
-    return all(jnp.issubdtype(v.aval.dtype, jnp.integer) for v in avals)
+    """Whether all are integer or boolean (indices, masks): never quantized."""
+    return all(jnp.issubdtype(v.aval.dtype, jnp.integer) or v.aval.dtype == bool for v in avals)
 
 
 def _bind(eqn: Any, values: list[Any]) -> list[Any]:

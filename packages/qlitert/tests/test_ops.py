@@ -1,0 +1,114 @@
+"""Op coverage: each op becomes the TFLite int8 kernel it should, validated against JAX."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from test_annotate import assert_integer_kernels, convert
+
+import qlitert
+
+RNG = np.random.default_rng(3)
+
+
+class ConvThen(nn.Module):
+    """A convolution (one int8 kernel), then the op under test on its output."""
+
+    op: object
+
+    @nn.compact
+    def __call__(self, x):
+        return self.op(nn.Conv(4, (3, 3))(x))
+
+
+@pytest.mark.parametrize(
+    ("op", "kernels"),
+    [
+        (lambda h: jnp.pad(h, ((0, 0), (1, 1), (1, 1), (0, 0))), ["PAD"]),
+        (lambda h: jnp.pad(h, ((0, 0), (1, 1), (0, 0), (0, 0)), constant_values=0.5), ["PADV2"]),
+        (lambda h: jax.image.resize(h, (2, 8, 8, 4), "nearest"), ["GATHER_ND"]),
+        (lambda h: jax.image.resize(h, (2, 8, 8, 4), "linear"), ["FULLY_CONNECTED"]),
+        (lambda h: jnp.repeat(jnp.repeat(h, 2, axis=1), 2, axis=2), ["BROADCAST_TO"]),
+        (lambda h: jnp.sum(h, axis=-1), ["SUM"]),
+        (lambda h: jnp.clip(h, -0.5, 2.0), ["MAXIMUM", "MINIMUM"]),
+        (lambda h: jax.nn.leaky_relu(h, 0.1), ["LEAKY_RELU"]),
+        (jax.nn.silu, ["LOGISTIC", "MUL"]),
+        (jax.nn.hard_silu, ["HARD_SWISH"]),
+        (lambda h: h[:, 1:3, ::2], ["STRIDED_SLICE"]),
+        (lambda h: h[:, 0], ["SLICE", "RESHAPE"]),
+        (lambda h: jnp.transpose(h, (0, 3, 1, 2)), ["TRANSPOSE"]),
+        (lambda h: jnp.concatenate([h, jnp.tanh(h)], axis=-1), ["TANH", "CONCATENATION"]),
+    ],
+    ids=[
+        "pad", "pad-value", "resize-nearest", "resize-linear", "repeat", "sum", "clip",
+        "leaky-relu", "silu", "hard-silu", "strided-slice", "index", "transpose", "concat",
+    ],
+)  # fmt: skip
+def test_op_becomes_an_int8_kernel(op, kernels):
+    x = RNG.normal(size=(2, 4, 4, 3)).astype(np.float32)
+    model = ConvThen(op)
+    params = model.init(jax.random.key(0), x)
+    batches = [RNG.normal(size=x.shape).astype(np.float32) for _ in range(3)]
+    _, report = convert(lambda v: model.apply(params, v), batches)  # export validates
+    names = report.op_names()
+    assert set(kernels) <= set(names), names
+    assert names[0] == "QUANTIZE" and names[-1] == "DEQUANTIZE"
+    assert "DEQUANTIZE" not in names[:-1]
+    for op in report.ops[1:]:  # later QUANTIZE ops requantize int8 (e.g. concat inputs)
+        assert op.name != "QUANTIZE" or report.op_types(op) == (["INT8"], ["INT8"])
+    assert_integer_kernels(report)
+
+
+def test_relu_and_relu6_fuse_into_the_convolution():
+    x = RNG.normal(size=(2, 4, 4, 3)).astype(np.float32)
+    for op in (nn.relu, jax.nn.relu6, lambda h: jnp.clip(h, -1.0, 1.0)):
+        model = ConvThen(op)
+        params = model.init(jax.random.key(0), x)
+        _, report = convert(lambda v, m=model, p=params: m.apply(p, v), [x])
+        assert report.op_names() == ["QUANTIZE", "CONV_2D", "DEQUANTIZE"]
+
+
+def test_embedding_lookup_gathers_an_int8_table():
+    class Embedder(nn.Module):
+        @nn.compact
+        def __call__(self, ids):
+            return nn.Dense(8)(nn.Embed(50, 16)(ids))
+
+    ids = RNG.integers(0, 50, size=(2, 6)).astype(np.int32)
+    params = Embedder().init(jax.random.key(0), ids)
+    batches = [RNG.integers(0, 50, size=(2, 6)).astype(np.int32) for _ in range(3)]
+    tfl, report = convert(lambda i: Embedder().apply(params, i), batches)
+    gather = next(op for op in report.ops if op.name == "GATHER_ND")
+    table = report.tensors[gather.inputs[0]]
+    assert table.dtype == "INT8" and table.constant_bytes == 50 * 16  # one byte per entry
+    assert report.tensors[report.inputs[0]].dtype == "INT32"  # ids go in unquantized
+    assert_integer_kernels(report)
+
+
+def test_unsupported_ops_stay_float_when_not_strict():
+    x = RNG.normal(size=(2, 4, 4, 3)).astype(np.float32)
+    model = ConvThen(jnp.sin)
+    params = model.init(jax.random.key(0), x)
+
+    def fn(v):
+        return model.apply(params, v)
+
+    with pytest.raises(qlitert.UnsupportedOpError, match="op 'sin'"):
+        qlitert.calibrate(fn, [x])
+    cal = qlitert.calibrate(fn, [x], strict=False)
+    annotated = qlitert.annotate(fn, cal)
+    with pytest.raises(qlitert.ExportError, match="DEQUANTIZE feeds other ops"):
+        qlitert.export(annotated, x, compute_types=("INT8", "INT32"))
+    tfl = qlitert.export(annotated, x)  # the annotation allows the float op it made
+    names = qlitert.inspect(tfl).op_names()
+    assert names[:3] == ["QUANTIZE", "CONV_2D", "DEQUANTIZE"] and "SIN" in names
+
+
+def test_average_pooling_with_padding_is_named_in_strict_mode():
+    x = RNG.normal(size=(2, 4, 4, 3)).astype(np.float32)
+    model = ConvThen(lambda h: nn.avg_pool(h, (3, 3), padding="SAME"))
+    with jax.numpy_dtype_promotion("standard"):
+        params = model.init(jax.random.key(0), x)
+        with pytest.raises(qlitert.UnsupportedOpError, match=r"average pooling with padding"):
+            qlitert.calibrate(lambda v: model.apply(params, v), [x])
