@@ -159,6 +159,25 @@ def test_calibration_is_a_moving_average_of_batch_ranges():
         cal.params("other")
 
 
+def test_traced_range_updates_follow_the_same_moving_average():
+    from qlitert.calibration import update_range
+
+    cal = qlitert.Calibration(momentum=0.5)
+    entry = jnp.array([0.0, 0.0, 0.0], jnp.float32)
+    batches = [np.array([-1.0, 3.0]), np.array([-3.0, np.nan, 1.0]), np.array([0.0, 4.0])]
+    update = jax.jit(update_range, static_argnums=2)
+    for b in batches:
+        cal.observe("s", b)
+        entry = update(entry, jnp.asarray(b, jnp.float32), 0.5)
+    # Closed form: cumulative for 2 batches, then weight 1/2; NaN ignored.
+    assert cal.ranges["s"] == [-1.0, 3.0] and cal.counts["s"] == 3
+    np.testing.assert_allclose(np.asarray(entry), [-1.0, 3.0, 3.0])
+    restored = cal.with_state({"s": entry})
+    assert restored.ranges == cal.ranges and restored.counts == cal.counts
+    with pytest.raises(ValueError, match=r"missing sites \['s'\], unknown sites \['t'\]"):
+        cal.with_state({"t": entry})
+
+
 def test_int8_io_variant_takes_and_returns_codes():
     model = nn.Sequential([nn.Dense(16), nn.relu, nn.Dense(4)])
     x = RNG.normal(size=(8, 8)).astype(np.float32)

@@ -91,6 +91,28 @@ def test_digits_int8_tflite_is_within_one_point_of_float_with_ptq_and_with_qat(d
     qat_acc = int8_accuracy(lambda v: model.apply(qat_params, v), batches, x_test, y_test)
     assert abs(qat_acc - float_acc) <= 0.01, (qat_acc, float_acc)
 
+    # QAT whose ranges follow training (moving averages): export without re-calibrating.
+    tracked = qlitert.qat(model.apply, cal, track_ranges=True)
+    step = jax.jit(
+        jax.value_and_grad(lambda p, r, v, t: _tracked_loss(tracked, p, r, v, t), has_aux=True)
+    )
+    ranges, p = cal.state(), params
+    for i in range(20):
+        v, t = x[(i * 128) % 1280 :][:128], y[(i * 128) % 1280 :][:128]
+        (_, ranges), g = step(p, ranges, v, t)
+        p = jax.tree.map(lambda a, b: a - 1e-3 * b, p, g)
+    trained = cal.with_state(ranges)
+    assert all(trained.counts[s] == cal.counts[s] + 20 for s in cal.counts)
+    assert trained.ranges != cal.ranges
+    tfl = qlitert.export(qlitert.annotate(lambda v: model.apply(p, v), trained), x_test)
+    tracked_acc = accuracy(qlitert.LiteRTModel(tfl)(x_test), y_test)
+    assert abs(tracked_acc - float_acc) <= 0.01, (tracked_acc, float_acc)
+
+
+def _tracked_loss(tracked, params, ranges, x, y):
+    logits, ranges = tracked(params, ranges, x)
+    return cross_entropy(logits, y), ranges
+
 
 def test_qat_forward_is_the_annotated_forward(digits):
     (x, _), _ = digits

@@ -146,8 +146,11 @@ def check_kernels(report: ModelReport, compute_types: Sequence[str] = INTEGER_TY
     return problems
 
 
-def _output_steps(report: ModelReport) -> list[float]:
-    """The quantization step of each graph output (through a final DEQUANTIZE)."""
+def _output_steps(report: ModelReport) -> list[tuple[float | None, str]]:
+    """The quantization step and type of each graph output (through a final DEQUANTIZE).
+
+    A float output (a float last module) has no step: ``(None, "FLOAT32")``.
+    """
     producer = {o: op for op in report.ops for o in op.outputs}
     steps = []
     for out in report.outputs:
@@ -155,28 +158,47 @@ def _output_steps(report: ModelReport) -> list[float]:
         op = producer.get(out)
         if not t.scale and op is not None and op.name == "DEQUANTIZE":
             t = report.tensors[op.inputs[0]]
-        if not t.scale:
-            raise ExportError(f"output tensor {t.name!r} is not quantized: cannot validate")
-        steps.append(max(t.scale))
+        steps.append((max(t.scale), t.dtype) if t.scale else (None, t.dtype))
     return steps
 
 
+# Agreement needed, in output steps: (on 95% of the values, on all). One int16
+# step is 1/256 of an int8 one; LiteRT's 16x8 kernels requantize with fixed-point
+# multipliers whose rounding a float model cannot mirror to one such step, and
+# the differences add up over layers (2 steps after three 16x8 layers, measured).
+TOLERANCE = {"INT8": (1.0, 2.0), "INT16": (2.0, 4.0)}
+# A float output (after a float module) may differ by the upstream integer
+# kernels' one-step differences: relative L2 error.
+FLOAT_TOLERANCE = 0.01
+
+
 def check_agreement(tflite: bytes, fn: Callable[..., Any], inputs: Sequence[Any]) -> list[str]:
-    """Problems with the interpreter's outputs against ``fn``'s, in output steps."""
+    """Problems with the interpreter's outputs against ``fn``'s (see :data:`TOLERANCE`)."""
     model = LiteRTModel(tflite, num_threads=1, quantize_io=False)  # fn's own I/O types
     got = model(*inputs)
     got = got if isinstance(got, tuple) else (got,)
     want = jax.tree.leaves(jax.jit(fn)(*inputs))
     problems = []
-    for i, (g, w, step) in enumerate(zip(got, want, _output_steps(inspect(tflite)), strict=True)):
-        if np.issubdtype(np.asarray(w).dtype, np.integer):
+    steps = _output_steps(inspect(tflite))
+    for i, (g, w, (step, dtype)) in enumerate(zip(got, want, steps, strict=True)):
+        g, w = np.asarray(g, np.float64), np.asarray(w, np.float64)
+        if step is None:
+            error = float(np.linalg.norm(g - w) / max(float(np.linalg.norm(w)), 1e-30))
+            if error > FLOAT_TOLERANCE:
+                problems.append(
+                    f"output {i} (float): relative error {error:.3g} against JAX "
+                    f"(need <= {FLOAT_TOLERANCE})"
+                )
+            continue
+        if np.issubdtype(np.asarray(want[i]).dtype, np.integer):
             step = 1.0  # integer outputs are codes: one step is one code
-        diff = np.abs(np.asarray(g, np.float64) - np.asarray(w, np.float64)) / step
-        within_one = float(np.mean(diff <= 1.0 + 1e-3))
-        if within_one < 0.95 or float(np.max(diff)) > 2.0 + 1e-3:
+        most, worst = TOLERANCE.get(dtype, TOLERANCE["INT8"])
+        diff = np.abs(g - w) / step
+        within = float(np.mean(diff <= most + 1e-3))
+        if within < 0.95 or float(np.max(diff)) > worst + 1e-3:
             problems.append(
-                f"output {i}: {within_one:.1%} of values within 1 step of JAX (need 95%), "
-                f"max {float(np.max(diff)):.2f} steps (need <= 2)"
+                f"output {i} ({dtype}): {within:.1%} of values within {most:g} step(s) of JAX "
+                f"(need 95%), max {float(np.max(diff)):.2f} steps (need <= {worst:g})"
             )
     return problems
 

@@ -180,7 +180,30 @@ class Interpreter:
     def materialize(
         self, x: Any, q: _Q, eqn: Any | None, label: str, *, float_op: bool = False
     ) -> tuple[Any, _Q]:
-        """``x`` as an input of ``eqn``: quantized, unless ``eqn`` computes in float."""
+        """``x`` as an input of ``eqn``: quantized, unless ``eqn`` computes in float.
+
+        Raises:
+            UnsupportedOpError: For a quantized input of another type than
+                ``eqn``'s (int8 into a 16x8 op, or back). TFLite kernels take one
+                type, and litert-converter 0.5.0 merges consecutive quantizations
+                into the last one (with or without a reshape or a quantize /
+                dequantize pair between), so no requantization can be annotated:
+                the producer would be converted with the consumer's type.
+        """
+        x, q = self._materialize(x, q, eqn, label, float_op=float_op)
+        if eqn is None or float_op or q.kind != "q":
+            return x, q
+        want = self.types(eqn).act
+        if want is not None and want != q.dtype:
+            raise UnsupportedOpError(
+                f"{eqn.primitive.name} in module {self.describe(eqn)} computes in {want} but "
+                f"its input is {q.dtype}: litert-converter cannot requantize between int8 "
+                "and int16 tensors; give connected modules one activation type, or leave "
+                "an op between them float (a rule without act_qtype)"
+            )
+        return x, q
+
+    def _materialize(self, x: Any, q: _Q, eqn: Any | None, label: str, *, float_op: bool) -> tuple:
         if q.kind == "int":  # indices, counts: not quantized
             return x, q
         if q.inherit:  # TFLite's AVERAGE_POOL_2D keeps its input's scale: no new site
