@@ -108,7 +108,7 @@ def widen_int16_biases(tflite: bytes) -> bytes:
     import numpy as np  # noqa: PLC0415
     from ai_edge_litert import schema_py_generated as schema  # noqa: PLC0415
 
-    model = schema.ModelT.InitFromPackedBuf(bytearray(tflite), 0)
+    model: Any = schema.ModelT.InitFromPackedBuf(bytearray(tflite), 0)  # generated, untyped
     names = {v: k for k, v in vars(schema.BuiltinOperator).items() if not k.startswith("_")}
     int16, int32 = schema.TensorType.INT16, schema.TensorType.INT32
     changed = 0

@@ -104,8 +104,8 @@ def export(
         raise ExportError("export(fn, *example_inputs) needs at least one example input")
     specs = [_spec(x, i) for i, x in enumerate(example_inputs)]
     exported = jax.export.export(jax.jit(fn), platforms=["cpu"])(*specs)
-    if compute_types is None:  # known once the export has traced fn
-        compute_types = getattr(fn, "compute_types", None) or INTEGER_TYPES
+    # Known once the export has traced fn.
+    allowed = compute_types or getattr(fn, "compute_types", None) or INTEGER_TYPES
     n_out = len(exported.out_avals)
     tflite = converter.stablehlo_to_tflite(
         exported.mlir_module_serialized,
@@ -115,7 +115,7 @@ def export(
     if validate:
         if any(isinstance(x, jax.ShapeDtypeStruct) for x in example_inputs):
             raise ExportError("validate=True needs concrete example inputs (arrays)")
-        problems = check_kernels(inspect(tflite), compute_types)
+        problems = check_kernels(inspect(tflite), allowed)
         problems += check_agreement(tflite, fn, example_inputs)
         if problems:
             raise ExportError("the converted model failed validation:\n" + "\n".join(problems))

@@ -404,6 +404,16 @@ class Interpreter:
             # (A constant here is a table that gather/dynamic_slice look up: int8 too.)
             x, q = self.materialize(values[0], ins[0][1], eqn, name)
             return [(o, q) for o in _bind(eqn, [x, *values[1:]])]
+        if name == "concatenate":
+            # TFLite's CONCATENATION shares one scale: the converter writes a matmul/
+            # convolution output feeding it at the concat's scale (one rounding) and
+            # requantizes quantized inputs, which fake quantization of the result
+            # after the concat mirrors.
+            xs = [
+                x if q.kind == "pending" and not q.inherit else self.materialize(x, q, eqn, name)[0]
+                for x, q in ins
+            ]
+            return [self.site(_bind(eqn, xs)[0], eqn, name, types)]
         if name in COMPUTING:
             xs = [self.materialize(x, q, eqn, name)[0] for x, q in ins]
             out = _bind(eqn, xs)[0]
