@@ -112,3 +112,16 @@ def test_average_pooling_with_padding_is_named_in_strict_mode():
         params = model.init(jax.random.key(0), x)
         with pytest.raises(qlitert.UnsupportedOpError, match=r"average pooling with padding"):
             qlitert.calibrate(lambda v: model.apply(params, v), [x])
+
+
+def test_grouped_convolution_is_one_int8_conv():
+    class Grouped(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.relu(nn.Conv(8, (3, 3), feature_group_count=2)(x))
+
+    x = RNG.normal(size=(2, 6, 6, 4)).astype(np.float32)
+    params = Grouped().init(jax.random.key(0), x)
+    _, report = convert(lambda v: Grouped().apply(params, v), [x])
+    assert report.op_names() == ["QUANTIZE", "CONV_2D", "DEQUANTIZE"]
+    assert_integer_kernels(report)
