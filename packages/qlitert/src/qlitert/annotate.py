@@ -59,7 +59,7 @@ from qlitert import qdq, scopes
 from qlitert import rules as _rules
 from qlitert.calibration import Calibration
 from qlitert.export import INTEGER_TYPES
-from qlitert.interpreter import _Q, Interpreter
+from qlitert.interpreter import Interpreter, Rep
 
 # The tensor types a converted model may use, by quantization type.
 TENSOR_TYPES = {
@@ -84,17 +84,17 @@ def _interpret(
     with scopes.module_scopes():
         if params is None:
             closed, shape = jax.make_jaxpr(fn, return_shape=True)(*specs)
-            args: list[tuple[Any, _Q]] = []
+            args: list[tuple[Any, Rep]] = []
         else:
             closed, shape = jax.make_jaxpr(fn, return_shape=True)(params, *specs)
-            args = [(p, _Q("const")) for p in jax.tree.leaves(params)]  # weights, traced
+            args = [(p, Rep("const")) for p in jax.tree.leaves(params)]  # weights, traced
     for i, x in enumerate(inputs):
         if jnp.issubdtype(jnp.result_type(x), jnp.integer) and not (int8_io and _is_codes(x)):
-            args.append((x, _Q("int")))  # indices: not quantized
+            args.append((x, Rep("int")))  # indices: not quantized
         elif int8_io:  # codes in: dequantized with the input site's parameters
             dtype = interp.types(None).act
             scale, zp = interp.cal.params(interp.key(None, f"input{i}"), dtype or "i8")
-            args.append((qdq.dequantize(x, scale, zp, dtype=dtype or "i8"), _Q("q", scale, zp)))
+            args.append((qdq.dequantize(x, scale, zp, dtype=dtype or "i8"), Rep("q", scale, zp)))
         else:
             args.append(interp.site(x, None, f"input{i}"))
     outs = interp.run(closed.jaxpr, list(closed.consts), args)

@@ -1,7 +1,7 @@
 """The jaxpr interpreter behind :func:`qlitert.calibrate`, ``annotate`` and ``qat``.
 
 It runs a function's jaxpr equation by equation and decides, for every value,
-how TFLite's integer kernels will represent it (:class:`_Q`): a constant
+how TFLite's integer kernels will represent it (:class:`Rep`): a constant
 (weight), a quantized tensor with its parameters, a *pending* value (a
 matmul/convolution output waiting for the bias add, batch norm and ReLU that
 TFLite fuses into the kernel), or float. Where TFLite quantizes, it inserts a
@@ -44,7 +44,7 @@ class UnsupportedOpError(ValueError):
 
 
 @dataclasses.dataclass
-class _Q:
+class Rep:
     """How a value is represented: const (a weight), q (quantized), pending, float, int.
 
     ``origin`` is the equation that produced a pending value (its rule decides
@@ -134,7 +134,7 @@ class Interpreter:
 
     # -- quantization --------------------------------------------------------
 
-    def fq(self, x: Any, q: _Q, *, pool_count: int | None = None) -> Any:
+    def fq(self, x: Any, q: Rep, *, pool_count: int | None = None) -> Any:
         """Fake quantization with ``q``'s (per-tensor) parameters: annotation or QAT."""
         if self.train:
             qmin, qmax = qdq.RANGES[q.dtype]
@@ -153,16 +153,16 @@ class Interpreter:
 
     def site(
         self, x: Any, eqn: Any | None, label: str, types: rules.OpTypes | None = None
-    ) -> tuple[Any, _Q]:
+    ) -> tuple[Any, Rep]:
         """A quantization site on ``x`` (float when the rule's ``act_qtype`` is None)."""
         key = self.key(eqn, label)
         dtype = (types or self.types(eqn)).act
         self.seen.add(dtype or "f32")
         if dtype is None:
-            return x, _Q("float")
+            return x, Rep("float")
         if self.observing:
             self.cal.observe(key, np.asarray(x))
-            return x, _Q("q", dtype=dtype)
+            return x, Rep("q", dtype=dtype)
         if self.train and self.state is not None:
             if key not in self.state:
                 self.cal.params(key)  # raises the "never calibrated" error
@@ -171,15 +171,15 @@ class Interpreter:
                 entry = update_range(entry, x, self.cal.momentum)
             self.new_state[key] = entry
             scale, zp = jax.lax.stop_gradient(qdq.range_params(entry[0], entry[1], dtype))
-            q = _Q("q", scale, zp, dtype)
+            q = Rep("q", scale, zp, dtype)
         else:
             scale, zp = self.cal.params(key, dtype)
-            q = _Q("q", scale, zp, dtype)
+            q = Rep("q", scale, zp, dtype)
         return self.fq(x, q), q
 
     def materialize(
-        self, x: Any, q: _Q, eqn: Any | None, label: str, *, float_op: bool = False
-    ) -> tuple[Any, _Q]:
+        self, x: Any, q: Rep, eqn: Any | None, label: str, *, float_op: bool = False
+    ) -> tuple[Any, Rep]:
         """``x`` as an input of ``eqn``: quantized, unless ``eqn`` computes in float.
 
         Raises:
@@ -203,7 +203,7 @@ class Interpreter:
             )
         return x, q
 
-    def _materialize(self, x: Any, q: _Q, eqn: Any | None, label: str, *, float_op: bool) -> tuple:
+    def _materialize(self, x: Any, q: Rep, eqn: Any | None, label: str, *, float_op: bool) -> tuple:
         if q.kind == "int":  # indices, counts: not quantized
             return x, q
         if q.inherit:  # TFLite's AVERAGE_POOL_2D keeps its input's scale: no new site
@@ -240,21 +240,21 @@ class Interpreter:
     # -- the jaxpr -----------------------------------------------------------
 
     def run(
-        self, jaxpr: Any, consts: list[Any], args: list[tuple[Any, _Q]]
-    ) -> list[tuple[Any, _Q]]:
+        self, jaxpr: Any, consts: list[Any], args: list[tuple[Any, Rep]]
+    ) -> list[tuple[Any, Rep]]:
         """Interprets ``jaxpr``; returns its outputs with their representations."""
-        env: dict[Any, tuple[Any, _Q]] = {}
+        env: dict[Any, tuple[Any, Rep]] = {}
 
-        def read_raw(v: Any) -> tuple[Any, _Q]:
+        def read_raw(v: Any) -> tuple[Any, Rep]:
             if isinstance(v, jex.core.Literal):
-                return v.val, _Q("const")
+                return v.val, Rep("const")
             return env[v]
 
-        def read(v: Any) -> tuple[Any, _Q]:
+        def read(v: Any) -> tuple[Any, Rep]:
             return self.realize(read_raw(v))
 
         for v, c in zip(jaxpr.constvars, consts, strict=True):
-            env[v] = (c, _Q("const"))
+            env[v] = (c, Rep("const"))
         for v, a in zip(jaxpr.invars, args, strict=True):
             env[v] = a
         eqns, i = list(jaxpr.eqns), 0
@@ -273,7 +273,7 @@ class Interpreter:
             i += 1
         return [read(v) for v in jaxpr.outvars]
 
-    def fused(self, kind: str, block: list[Any], read: Callable[[Any], Any]) -> tuple[Any, _Q]:
+    def fused(self, kind: str, block: list[Any], read: Callable[[Any], Any]) -> tuple[Any, Rep]:
         """A softmax or GELU block: one TFLite kernel, quantized input and output only."""
         types = self.types(block[-1])
         x, q = read(block[0].invars[0])
@@ -295,12 +295,12 @@ class Interpreter:
         # TFLite's int8 SOFTMAX has a fixed output scale 1/256 and zero point -128;
         # its int16 one 1/32768 and 0.
         if types.act == "i16":
-            fixed = _Q("q", np.array([1 / 32768], np.float32), np.array([0], np.int64), "i16")
+            fixed = Rep("q", np.array([1 / 32768], np.float32), np.array([0], np.int64), "i16")
         else:
-            fixed = _Q("q", np.array([1 / 256], np.float32), np.array([-128], np.int64), "i8")
+            fixed = Rep("q", np.array([1 / 256], np.float32), np.array([-128], np.int64), "i8")
         return (y if self.observing else self.fq(y, fixed)), fixed
 
-    def realize(self, entry: tuple[Any, _Q]) -> tuple[Any, _Q]:
+    def realize(self, entry: tuple[Any, Rep]) -> tuple[Any, Rep]:
         """Computes a deferred contraction (with its folded constants)."""
         d, q = entry
         if not isinstance(d, _Deferred):
@@ -314,7 +314,7 @@ class Interpreter:
             y = y + jnp.asarray(_along(d.offset, y.ndim, d.out_axis), y.dtype)
         return y, q
 
-    def fold(self, eqn: Any, ins: list[tuple[Any, _Q]]) -> list[tuple[Any, _Q]] | None:
+    def fold(self, eqn: Any, ins: list[tuple[Any, Rep]]) -> list[tuple[Any, Rep]] | None:
         """Folds ``deferred (+|-|*|/) constant`` into the deferred contraction, if it fits."""
         name = eqn.primitive.name
         if name not in ("add", "sub", "mul", "div") or len(ins) != 2:
@@ -343,7 +343,7 @@ class Interpreter:
             scale, offset = scale / v, offset / v
         return [(dataclasses.replace(x, scale=scale, offset=offset), qx)]
 
-    def eqn(self, eqn: Any, ins: list[tuple[Any, _Q]]) -> list[tuple[Any, _Q]]:
+    def eqn(self, eqn: Any, ins: list[tuple[Any, Rep]]) -> list[tuple[Any, Rep]]:
         """One equation: how TFLite computes it decides where its sites go."""
         folded = self.fold(eqn, ins)
         if folded is not None:
@@ -372,11 +372,11 @@ class Interpreter:
             # Eagerly, even inside jax.export's trace: folded weights must stay
             # concrete to become static composite attributes.
             with jax.ensure_compile_time_eval():
-                return [(o, _Q("const")) for o in _bind(eqn, values)]
+                return [(o, Rep("const")) for o in _bind(eqn, values)]
         if name == "convert_element_type" and jnp.issubdtype(eqn.params["new_dtype"], jnp.floating):
             return [ins[0]]
         if all(k in ("int", "const") for k in kinds) and _integer(eqn.outvars):
-            return [(o, _Q("int")) for o in _bind(eqn, values)]  # index arithmetic, masks
+            return [(o, Rep("int")) for o in _bind(eqn, values)]  # index arithmetic, masks
         types = self.types(eqn)
         if types.act is None and name not in PRESERVING:
             return self.float_op(eqn, ins)
@@ -395,7 +395,7 @@ class Interpreter:
             return [(_bind(eqn, [x])[0], dataclasses.replace(q, kind="pending", inherit=n))]
         if name == "reduce_sum":  # a mean (with a div) or a sum: a new scale
             x, _ = self.materialize(values[0], ins[0][1], eqn, name)
-            return [(_bind(eqn, [x])[0], _Q("pending", origin=eqn))]
+            return [(_bind(eqn, [x])[0], Rep("pending", origin=eqn))]
         if name == "div" and kinds == ["pending", "const"]:
             return [(_bind(eqn, values)[0], ins[0][1])]
         if name in PRESERVING and kinds[0] == "pending":  # same values: quantize later
@@ -420,7 +420,7 @@ class Interpreter:
             return [self.site(out, eqn, name, types)]
         return self.unsupported(eqn, ins, f"op {name!r}")
 
-    def unsupported(self, eqn: Any, ins: list[tuple[Any, _Q]], what: str) -> list:
+    def unsupported(self, eqn: Any, ins: list[tuple[Any, Rep]], what: str) -> list:
         """Raises (strict), or computes ``eqn`` in float."""
         if self.strict:
             raise UnsupportedOpError(
@@ -430,18 +430,18 @@ class Interpreter:
             )
         return self.float_op(eqn, ins)
 
-    def float_op(self, eqn: Any, ins: list[tuple[Any, _Q]]) -> list[tuple[Any, _Q]]:
+    def float_op(self, eqn: Any, ins: list[tuple[Any, Rep]]) -> list[tuple[Any, Rep]]:
         """``eqn`` computed in float: quantized inputs are dequantized, output float."""
         name = eqn.primitive.name
         self.seen.add("f32")
         xs = [self.materialize(x, q, eqn, name, float_op=True)[0] for x, q in ins]
-        return [(o, _Q("float")) for o in _bind(eqn, xs)]
+        return [(o, Rep("float")) for o in _bind(eqn, xs)]
 
-    def contraction(self, eqn: Any, ins: list[tuple[Any, _Q]], types: rules.OpTypes) -> tuple:
+    def contraction(self, eqn: Any, ins: list[tuple[Any, Rep]], types: rules.OpTypes) -> tuple:
         """A matmul/convolution: a constant weight is deferred to fold what follows."""
         (a, qa), (b, qb) = ins
         name = eqn.primitive.name
-        pending = _Q("pending", origin=eqn)
+        pending = Rep("pending", origin=eqn)
         if qa.kind == "const" and qb.kind != "const":
             # A constant on the left (e.g. jax.image.resize's interpolation matrices):
             # the converter transposes around a FULLY_CONNECTED; one scale, no folding.
