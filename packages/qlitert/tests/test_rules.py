@@ -162,3 +162,28 @@ def test_unused_rules_warn_and_bad_rules_raise():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         qlitert.calibrate(fn, [x], rules=[QuantizationRule(act_qtype="int8", weight_qtype="int8")])
+
+
+def test_int16_model_with_integer_io_takes_and_returns_int16_codes():
+    model = nn.Sequential([nn.Dense(16), nn.relu, nn.Dense(4)])
+    batches = [RNG.normal(size=(4, 8)).astype(np.float32) for _ in range(3)]
+    params = model.init(jax.random.key(0), batches[0])
+
+    def fn(x):
+        return model.apply(params, x)
+
+    cal = qlitert.calibrate(
+        fn, batches, rules=[QuantizationRule(act_qtype="int16", weight_qtype="int8")]
+    )
+    scale, zp = cal.params("0:input0@", "i16")
+    assert zp[0] == 0
+    codes = np.clip(np.round(batches[0] / scale[0]), -32768, 32767).astype(np.int16)
+    tfl = qlitert.export(qlitert.annotate(fn, cal, int8_io=True), codes)
+    report = qlitert.inspect(tfl)
+    assert report.op_names() == ["FULLY_CONNECTED", "FULLY_CONNECTED"]
+    assert [report.tensors[i].dtype for i in (*report.inputs, *report.outputs)] == ["INT16"] * 2
+    # The same kernels as the float-I/O model, seen through LiteRTModel's conversion.
+    float_io = qlitert.export(qlitert.annotate(fn, cal), batches[0])
+    np.testing.assert_allclose(
+        qlitert.LiteRTModel(tfl)(batches[0]), qlitert.LiteRTModel(float_io)(batches[0]), atol=1e-6
+    )

@@ -62,8 +62,8 @@ from qlitert.export import INTEGER_TYPES
 from qlitert.interpreter import Interpreter, Rep
 
 # The tensor types a converted model may use, by quantization type.
+# (Beyond INTEGER_TYPES, which every annotated model may use.)
 TENSOR_TYPES = {
-    "i8": INTEGER_TYPES,
     "i16": ("INT16",),  # 16x8: int16 activations, int8 weights, int64 biases
     "i4": ("INT4",),
     "f32": ("FLOAT32",),
@@ -92,9 +92,9 @@ def _interpret(
         if jnp.issubdtype(jnp.result_type(x), jnp.integer) and not (int8_io and _is_codes(x)):
             args.append((x, Rep("int")))  # indices: not quantized
         elif int8_io:  # codes in: dequantized with the input site's parameters
-            dtype = interp.types(None).act
-            scale, zp = interp.cal.params(interp.key(None, f"input{i}"), dtype or "i8")
-            args.append((qdq.dequantize(x, scale, zp, dtype=dtype or "i8"), Rep("q", scale, zp)))
+            dtype = "i16" if jnp.result_type(x) == jnp.int16 else "i8"
+            scale, zp = interp.cal.params(interp.key(None, f"input{i}"), dtype)
+            args.append((qdq.dequantize(x, scale, zp, dtype=dtype), Rep("q", scale, zp, dtype)))
         else:
             args.append(interp.site(x, None, f"input{i}"))
     outs = interp.run(closed.jaxpr, list(closed.consts), args)
@@ -181,7 +181,7 @@ class Annotated:
         """The annotated model's outputs (JAX's view of the integer model)."""
         interp = Interpreter(self.calibration, observe=False, strict=self.calibration.strict)
         out = _interpret(self.fn, inputs, interp, int8_io=self.int8_io)
-        types = {t for kind in interp.seen for t in TENSOR_TYPES[kind]}
+        types = {t for kind in interp.seen for t in TENSOR_TYPES.get(kind, ())}
         self.compute_types = tuple(sorted(types | set(INTEGER_TYPES)))
         return out
 

@@ -78,16 +78,13 @@ class Calibration:
         Raises:
             KeyError: If no calibration batch reached the site.
         """
-        lo, hi = self._range(site)
-        return qdq.activation_params(lo, hi, dtype)
-
-    def _range(self, site: str) -> list[float]:
         if site not in self.ranges:
             raise KeyError(
                 f"site {site!r} was never calibrated: run calibrate() on the same function "
                 f"(calibrated sites: {sorted(self.ranges)[:5]}...)"
             )
-        return self.ranges[site]
+        lo, hi = self.ranges[site]
+        return qdq.activation_params(lo, hi, dtype)
 
     def state(self) -> dict[str, jax.Array]:
         """The ranges as a pytree for training: ``site -> [lo, hi, count]`` (float32)."""

@@ -29,7 +29,6 @@ from qlitert.calibration import Calibration, update_range
 PRESERVING = {
     "reshape", "transpose", "squeeze", "expand_dims", "slice", "dynamic_slice",
     "reduce_window_max", "copy", "copy_p", "broadcast_in_dim", "pad", "gather",
-    "rev",
 }  # fmt: skip
 # Ops that compute a new value: inputs quantized, output quantized at its own range.
 COMPUTING = {
@@ -126,11 +125,10 @@ class Interpreter:
 
     def types(self, eqn: Any | None) -> rules.OpTypes:
         """The LiteRT types of ``eqn``'s outputs and weights (``None``: the boundary)."""
-        path = scopes.module_path(self.where(eqn))
-        i = rules.match(self.cal.rules, path) if self.cal.rules else None
+        i, types = rules.lookup(self.cal.rules, scopes.module_path(self.where(eqn)))
         if i is not None:
             self.used_rules.add(i)
-        return rules.types_for(self.cal.rules, path)
+        return types
 
     # -- quantization --------------------------------------------------------
 
@@ -384,9 +382,7 @@ class Interpreter:
             return [self.contraction(eqn, ins, types)]
         pending = next((q for _, q in ins if q.kind == "pending" and not q.inherit), None)
         if name in ("max", "min") and pending is not None and sorted(kinds) == ["const", "pending"]:
-            return [(_bind(eqn, values)[0], pending)]  # ReLU / ReLU6: fused
-        if name == "clamp" and pending is not None and kinds == ["const", "pending", "const"]:
-            return [(_bind(eqn, values)[0], pending)]  # clip(x, 0, 6): fused as ReLU6
+            return [(_bind(eqn, values)[0], pending)]  # ReLU, ReLU6, clip(-1, 1): fused
         if name == "reduce_window_sum":  # average pool (with the div): input's scale
             if any(lo or hi for lo, hi in eqn.params["padding"]):
                 return self.unsupported(eqn, ins, "average pooling with padding ('SAME')")

@@ -26,8 +26,8 @@ Example:
     ...         qflax.QuantizationRule(module_path=".*", act_qtype="int8", weight_qtype="int4"),
     ...     ]
     ... )
-    >>> rules.types_for(r, "head"), rules.types_for(r, "blocks/0/mlp")
-    (OpTypes(act='i16', weight='i8'), OpTypes(act='i8', weight='i4'))
+    >>> rules.lookup(r, "head"), rules.lookup(r, "blocks/0/mlp")
+    ((0, OpTypes(act='i16', weight='i8')), (1, OpTypes(act='i8', weight='i4')))
 """
 
 from __future__ import annotations
@@ -108,20 +108,17 @@ def _matches(rule: qflax.QuantizationRule, path: str) -> bool:
     return re.fullmatch(rule.module_path, path) is not None
 
 
-def match(rules: tuple[qflax.QuantizationRule, ...], path: str) -> int | None:
-    """The index of the first rule matching ``path``, or None."""
-    return next((i for i, r in enumerate(rules) if _matches(r, path)), None)
+def lookup(rules: tuple[qflax.QuantizationRule, ...], path: str) -> tuple[int | None, OpTypes]:
+    """The first rule matching ``path`` (its index, or None) and the types it gives.
 
-
-def types_for(rules: tuple[qflax.QuantizationRule, ...], path: str) -> OpTypes:
-    """The types of the ops of the module at ``path`` (all int8 without rules)."""
+    Without rules every op is int8; with rules, an op none matches is float.
+    """
     if not rules:
-        return INT8
-    i = match(rules, path)
+        return None, INT8
+    i = next((i for i, r in enumerate(rules) if _matches(r, path)), None)
     if i is None:
-        return FLOAT
-    rule = rules[i]
-    act, weight = _name(rule.act_qtype), _name(rule.weight_qtype)
-    return OpTypes(
+        return None, FLOAT
+    act, weight = _name(rules[i].act_qtype), _name(rules[i].weight_qtype)
+    return i, OpTypes(
         None if act is None else ACT_TYPES[act], None if weight is None else WEIGHT_TYPES[weight]
     )
