@@ -22,6 +22,7 @@ PUBLIC = {
     "dot_general",
     "einsum",
     "fake_quant",
+    "fake_quant_with_scale",
     "fakequant",
     "matmul",
     "mean_relative_error",

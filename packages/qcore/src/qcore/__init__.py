@@ -21,7 +21,7 @@ Example:
 
 from qcore import calibration, fakequant, metrics, numerics, ops, packing, qarray, qtypes
 from qcore.calibration import Calibrator
-from qcore.fakequant import fake_quant
+from qcore.fakequant import fake_quant, fake_quant_with_scale
 from qcore.metrics import mean_relative_error, sqnr_db
 from qcore.ops import (
     BackwardQuant,
@@ -70,6 +70,7 @@ __all__ = [
     "dot_general",
     "einsum",
     "fake_quant",
+    "fake_quant_with_scale",
     "fakequant",
     "matmul",
     "mean_relative_error",

@@ -29,8 +29,9 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
-from qcore import qarray
+from qcore import numerics, qarray, qtypes
 from qcore.qarray import HowToQuantize
+from qcore.qtypes import QType
 
 
 def _forward(x, how, key):
@@ -116,3 +117,100 @@ def fake_quant(
     """
     x = jnp.asarray(x)
     return _fake_quant(x, how, key, clip_gradient)
+
+
+def fake_quant_with_scale(
+    x: jax.Array,
+    qtype: QType | str,
+    scale: jax.Array,
+    zero_point: jax.Array | None = None,
+    *,
+    narrow_range: bool = False,
+    rounding: str = "nearest_even",
+    key: jax.Array | None = None,
+) -> jax.Array:
+    """Quantizes and dequantizes ``x`` with given scales, differentiable in all of them.
+
+    The forward pass equals ``dequantize(quantize_with_scale_zero_point(x, qtype,
+    scale, zero_point, ...))`` bit for bit. The backward pass differentiates the
+    surrogate ``(clip(round(x / s + z), qmin, qmax) - z) · s`` with a
+    straight-through rounding, which gives the LSQ gradients (Esser et al.,
+    2020, arXiv:1902.08153) of a learned scale: ``round(x/s) - x/s`` inside the
+    range and ``qmin - z`` / ``qmax - z`` where ``x`` saturates. The gradient in
+    ``x`` is 1 inside the range and 0 where ``x`` saturates. ``int1`` (sign ×
+    scale) passes the gradient in ``x`` straight through; float and codebook
+    types pass it inside their range. Zero points get gradients too (an
+    asymmetric range can be learned).
+
+    Args:
+        x: A floating-point array.
+        qtype: Target type (a :class:`~qcore.qtypes.QType` or its name);
+            block-scaled types (mx, nvfp4) are not accepted here.
+        scale: Scales following the generic broadcast rule for ``x``'s shape.
+        zero_point: Zero points shaped like ``scale`` (uniform integer types), or None.
+        narrow_range: See :func:`qcore.numerics.int_range`.
+        rounding: See :func:`qcore.numerics.round_values`.
+        key: PRNG key for stochastic rounding.
+
+    Returns:
+        An array like ``x`` holding only representable values.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> x, s = jnp.array([0.26, 0.4, 9.0]), jnp.array([0.5])
+        >>> fake_quant_with_scale(x, "int4", s)
+        Array([0.5, 0.5, 3.5], dtype=float32)
+        >>> jax.grad(lambda s: fake_quant_with_scale(x, "int4", s).sum())(s)
+        Array([7.6800003], dtype=float32)
+    """
+    x = jnp.asarray(x)
+    qarray._check_float(x)
+    qtype = qtypes.get(qtype)
+    numerics.check_rounding(rounding, qtype)
+    if qtype.block_size is not None:
+        raise ValueError(
+            f"qtype={qtype.name!r} is block-scaled; fake_quant_with_scale takes types "
+            "with one scale per block of the generic broadcast rule (int*, uint*, int1, "
+            "nf4, float8_*, float4_e2m1fn)"
+        )
+    if zero_point is not None and not qtype.supports_asymmetric:
+        raise ValueError(
+            f"zero_point given but qtype={qtype.name!r} (kind {qtype.kind!r}) cannot hold "
+            "a zero point; allowed: uniform integer qtypes"
+        )
+    scale = jnp.asarray(scale)
+    qarray._check_scale_shape(x.shape, scale.shape, "scale")
+    if zero_point is not None:
+        zero_point = jnp.asarray(zero_point)
+        qarray._check_scale_shape(x.shape, zero_point.shape, "zero_point")
+
+    def fq(xb, sb, zb):
+        s32 = sb.astype(jnp.float32)
+        v = xb.astype(jnp.float32) / s32
+        if zb is not None:
+            v = v + zb.astype(jnp.float32)
+        v = jnp.where(jnp.isnan(v), jnp.zeros_like(v), v)  # NaN encodes as 0, as in encode
+        codes = numerics.encode(
+            jax.lax.stop_gradient(v), qtype, rounding=rounding, narrow_range=narrow_range, key=key
+        )
+        levels = numerics.decode(codes, qtype)
+        if qtype.kind == "binary":
+            # sign with an identity straight-through gradient (±inf: no gradient)
+            surrogate = jnp.where(jnp.isfinite(v), v, levels)
+        else:
+            lo, hi = (
+                numerics.int_range(qtype, narrow_range)
+                if qtype.kind == "int"
+                else (
+                    qtype.qmin,
+                    qtype.qmax,
+                )
+            )
+            surrogate = jnp.clip(v, lo, hi)
+        # Forward value: the decoded level; gradient: that of the clipped surrogate.
+        v_hat = surrogate + jax.lax.stop_gradient(levels - surrogate)
+        if zb is not None:
+            v_hat = v_hat - zb.astype(jnp.float32)
+        return v_hat * s32
+
+    return qarray._apply(x, fq, scale, zero_point).astype(x.dtype)
