@@ -32,6 +32,7 @@ PACKAGES: dict[str, list[str]] = {
     "qcore": [],
     "qflax": ["qcore"],
     "qlitert": ["qcore", "qflax"],
+    "qtorchlike": ["qcore"],
 }
 # Optional extras installed wherever a package is installed editable here (the
 # tests and the type checker cover the code behind them).

@@ -1,0 +1,140 @@
+"""``QuantConv1d``, ``QuantConv2d``: PyTorch's layouts, NC[H]W and weight (out, in/groups, k...)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+import qcore
+from qtorchlike import random
+from qtorchlike.nn.linear import kaiming_uniform, qarray_of
+from qtorchlike.nn.module import Parameter
+from qtorchlike.nn.quant_layer import QuantWBIOL
+from qtorchlike.quant import Int8WeightPerTensorFloat
+from qtorchlike.quant_tensor import QuantTensor
+
+
+def _tuple(v: int | Sequence[int], n: int, name: str) -> tuple[int, ...]:
+    out = (int(v),) * n if isinstance(v, int) else tuple(int(i) for i in v)
+    if len(out) != n or any(i < 0 for i in out):
+        raise ValueError(f"{name}={v!r} must be a non-negative int or {n} of them")
+    return out
+
+
+def conv_padding(padding: Any, n: int) -> str | list[tuple[int, int]]:
+    """PyTorch padding (int, tuple, 'same', 'valid') as lax padding."""
+    if isinstance(padding, str):
+        if padding.lower() not in ("same", "valid"):
+            raise ValueError(f"padding={padding!r}; allowed: an int, a tuple, 'same', 'valid'")
+        return padding.upper()
+    return [(p, p) for p in _tuple(padding, n, "padding")]
+
+
+class _QuantConvNd(QuantWBIOL):
+    _dims: int = 2
+    _layout: tuple[str, str, str] = ("NCHW", "OIHW", "NCHW")
+
+    def __init__(
+        self,
+        in_channels: int,
+        out_channels: int,
+        kernel_size: int | Sequence[int],
+        stride: int | Sequence[int] = 1,
+        padding: Any = 0,
+        dilation: int | Sequence[int] = 1,
+        groups: int = 1,
+        bias: bool = True,
+        weight_quant: Any = Int8WeightPerTensorFloat,
+        bias_quant: Any = None,
+        input_quant: Any = None,
+        output_quant: Any = None,
+        return_quant_tensor: bool = False,
+        *,
+        key: jax.Array | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__()
+        n = self._dims
+        if in_channels % groups or out_channels % groups:
+            raise ValueError(
+                f"groups={groups} must divide in_channels={in_channels} and "
+                f"out_channels={out_channels}"
+            )
+        self.in_channels, self.out_channels, self.groups = in_channels, out_channels, groups
+        self.kernel_size = _tuple(kernel_size, n, "kernel_size")
+        self.stride = _tuple(stride, n, "stride")
+        self.dilation = _tuple(dilation, n, "dilation")
+        self.padding = padding
+        self._padding = conv_padding(padding, n)
+        shape = (out_channels, in_channels // groups, *self.kernel_size)
+        fan = shape[1] * int(jnp.prod(jnp.array(self.kernel_size)))
+        kw, kb = jax.random.split(random.next_key() if key is None else key)
+        self.weight = Parameter(kaiming_uniform(kw, shape, fan))
+        if bias:
+            self.bias = Parameter(kaiming_uniform(kb, (out_channels,), fan))
+        else:
+            self.register_parameter("bias", None)
+        self._init_quant(
+            weight_quant, bias_quant, input_quant, output_quant, return_quant_tensor, kwargs
+        )
+
+    def _check_input(self, x: Any) -> None:
+        if x.ndim != self._dims + 2 or x.shape[1] != self.in_channels:
+            raise ValueError(
+                f"{type(self).__name__} expects input of shape (N, {self.in_channels}, "
+                f"{', '.join('L' * self._dims)}) (channels first), got {tuple(x.shape)}"
+            )
+
+    def _conv(self, conv: Any, x: Any, w: Any) -> Any:
+        return conv(
+            x,
+            w,
+            self.stride,
+            self._padding,
+            rhs_dilation=self.dilation,
+            dimension_numbers=self._layout,
+            feature_group_count=self.groups,
+        )
+
+    def _float_op(self, x: Any, w: Any) -> Any:
+        self._check_input(x)
+        return self._conv(lax.conv_general_dilated, x, w)
+
+    def _int_op(self, x: QuantTensor, w: QuantTensor) -> Any:
+        self._check_input(x.value)
+        xa = qarray_of(x, self.input_quant.spec.qtype, x.ndim)
+        wa = qarray_of(w, self.weight_quant.spec.qtype, w.ndim)
+        return self._conv(qcore.conv_general_dilated, xa, wa)
+
+    def extra_repr(self) -> str:
+        return (
+            f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, "
+            f"stride={self.stride}, padding={self.padding}"
+        )
+
+
+class QuantConv2d(_QuantConvNd):
+    """A 2-D convolution on NCHW inputs with weight ``(out, in/groups, kH, kW)``.
+
+    Arguments are PyTorch's (``in_channels, out_channels, kernel_size, stride,
+    padding, dilation, groups, bias``) plus the quantizers of
+    :class:`~qtorchlike.nn.QuantLinear`.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> import qtorchlike.nn as qnn
+        >>> conv = qnn.QuantConv2d(3, 8, 3, padding=1, weight_bit_width=4)
+        >>> conv(jnp.ones((1, 3, 8, 8))).shape
+        (1, 8, 8, 8)
+    """
+
+
+class QuantConv1d(_QuantConvNd):
+    """A 1-D convolution on NCL inputs with weight ``(out, in/groups, k)``."""
+
+    _dims = 1
+    _layout = ("NCH", "OIH", "NCH")

@@ -1,0 +1,159 @@
+"""Eager optimizers that update a module's parameters: :class:`SGD` and :class:`Adam`.
+
+Each optimizer is built on a module and updates its trainable parameters
+(``requires_grad``) from a dict of gradients keyed like ``named_parameters()``.
+The arithmetic is a pure, jitted ``update(grads, state, params)``, which
+:func:`qtorchlike.func.train_step` calls inside its compiled step.
+
+Example:
+    >>> import jax, jax.numpy as jnp
+    >>> import qtorchlike.nn as qnn
+    >>> from qtorchlike import optim
+    >>> from qtorchlike.func import functional_call, trainable
+    >>> layer = qnn.QuantLinear(3, 1, bias=False)
+    >>> opt = optim.Adam(layer, lr=1e-2)
+    >>> x = jnp.ones((4, 3))
+    >>> grads = jax.grad(lambda p: functional_call(layer, p, x)[0].sum())(trainable(layer))
+    >>> before = layer.weight
+    >>> opt.step(grads)
+    >>> bool((layer.weight < before).all())
+    True
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from functools import partial
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from qtorchlike.nn.module import Module, set_state
+
+
+class _Optimizer:
+    """Shared bookkeeping: which parameters, the state, eager :meth:`step`."""
+
+    state: Any
+
+    def __init__(self, model: Module, lr: float) -> None:
+        if not isinstance(model, Module):
+            raise TypeError(
+                f"model={type(model).__name__} must be a qtorchlike.nn.Module (optimizers "
+                "update the module's parameters in place)"
+            )
+        if not lr > 0:
+            raise ValueError(f"lr={lr!r} must be a positive learning rate")
+        self.model, self.lr = model, float(lr)
+        self.names: tuple[str, ...] = ()
+        self.state = None
+        self.sync(model)
+
+    def sync(self, model: Module) -> None:
+        """(Re)creates the state if the trainable parameters changed (names or shapes)."""
+        params = dict(model.named_parameters())
+        names = tuple(model.trainable_names())
+        shapes = {k: params[k].shape for k in names}
+        if names != self.names or getattr(self, "_shapes", None) != shapes:
+            self.names, self._shapes = names, shapes
+            self.state = self.init({k: params[k] for k in names})
+
+    def init(self, params: Mapping[str, jax.Array]) -> Any:
+        """The initial state for ``params``."""
+        raise NotImplementedError
+
+    def update(self, grads: Any, state: Any, params: Any) -> tuple[Any, Any]:
+        """Returns ``(new_params, new_state)``."""
+        raise NotImplementedError
+
+    def step(self, grads: Mapping[str, jax.Array]) -> None:
+        """Applies ``grads`` (by dotted parameter name) to the model's parameters.
+
+        Raises:
+            KeyError: If ``grads`` lacks a trainable parameter or has an unknown name.
+        """
+        self.sync(self.model)
+        wanted, got = set(self.names), set(grads)
+        if wanted != got:
+            raise KeyError(
+                f"grads must have exactly the trainable parameters; missing "
+                f"{sorted(wanted - got)}, unexpected {sorted(got - wanted)}"
+            )
+        params = dict(self.model.named_parameters())
+        new, self.state = self.update(dict(grads), self.state, {k: params[k] for k in self.names})
+        set_state(self.model, new)
+
+    def zero_grad(self) -> None:
+        """Does nothing (gradients are values here, not accumulated fields)."""
+
+
+class SGD(_Optimizer):
+    """Stochastic gradient descent with optional momentum and weight decay.
+
+    Args:
+        model: The module whose parameters are updated.
+        lr: Learning rate.
+        momentum: Heavy-ball momentum (PyTorch's formulation).
+        weight_decay: L2 penalty added to the gradient.
+    """
+
+    def __init__(
+        self, model: Module, lr: float, momentum: float = 0.0, weight_decay: float = 0.0
+    ) -> None:
+        self.momentum, self.weight_decay = float(momentum), float(weight_decay)
+        super().__init__(model, lr)
+
+    def init(self, params):  # noqa: D102
+        return {k: jnp.zeros_like(v) for k, v in params.items()}
+
+    @partial(jax.jit, static_argnums=0)
+    def update(self, grads, state, params):  # noqa: D102
+        new_params, new_state = {}, {}
+        for k, p in params.items():
+            g = grads[k] + self.weight_decay * p
+            buf = self.momentum * state[k] + g if self.momentum else g
+            new_params[k], new_state[k] = p - self.lr * buf, buf
+        return new_params, new_state
+
+
+class Adam(_Optimizer):
+    """Adam (Kingma & Ba, 2015) with PyTorch's defaults.
+
+    Args:
+        model: The module whose parameters are updated.
+        lr: Learning rate.
+        betas: Decay rates of the first and second moment estimates.
+        eps: Added to the denominator.
+        weight_decay: L2 penalty added to the gradient.
+    """
+
+    def __init__(
+        self,
+        model: Module,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+    ) -> None:
+        self.betas, self.eps, self.weight_decay = tuple(map(float, betas)), float(eps), weight_decay
+        super().__init__(model, lr)
+
+    def init(self, params):  # noqa: D102
+        zeros = {k: jnp.zeros_like(v) for k, v in params.items()}
+        return {"m": zeros, "v": dict(zeros), "t": jnp.zeros((), jnp.int32)}
+
+    @partial(jax.jit, static_argnums=0)
+    def update(self, grads, state, params):  # noqa: D102
+        b1, b2 = self.betas
+        t = state["t"] + 1
+        tf = t.astype(jnp.float32)
+        m, v, new_params = {}, {}, {}
+        for k, p in params.items():
+            g = grads[k] + self.weight_decay * p
+            m[k] = b1 * state["m"][k] + (1 - b1) * g
+            v[k] = b2 * state["v"][k] + (1 - b2) * g * g
+            m_hat = m[k] / (1 - b1**tf)
+            v_hat = v[k] / (1 - b2**tf)
+            new_params[k] = p - self.lr * m_hat / (jnp.sqrt(v_hat) + self.eps)
+        return new_params, {"m": m, "v": v, "t": t}

@@ -1,0 +1,420 @@
+"""Quantizer proxies: the modules that hold a quantizer's state and apply it.
+
+A layer turns each quantizer class it is given into a proxy: a
+:class:`WeightQuantProxy`, :class:`ActQuantProxy` or :class:`BiasQuantProxy`.
+The proxy owns the learned scale (a parameter named ``value``) and the running
+statistics (buffers), and its forward pass returns a
+:class:`~qtorchlike.QuantTensor`. The arithmetic is qcore's:
+:func:`qcore.fake_quant_with_scale` quantizes with straight-through gradients
+(LSQ gradients for learned scales), :func:`qcore.calibrate` computes statistics.
+
+A weight proxy can be shared between layers (``weight_quant=layer1.weight_quant``):
+it then tracks every weight it serves and computes statistics over all of them.
+
+Threshold and scale: statistics and ``scaling_const``/``scaling_init`` give a
+*threshold* (e.g. ``max|w|``); the scale is ``threshold / int_scaling``
+(``int_scaling`` is 127 for narrow int8, 128 for int8, 255 for uint8, 448 for
+fp8 e4m3, 1 for binary and ternary), restricted to a power of two when asked
+(rounded up, so the threshold is never clipped).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import warnings
+import weakref
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import qcore
+from qcore import numerics
+from qtorchlike import random
+from qtorchlike.nn.module import Module, Parameter
+from qtorchlike.quant_tensor import QuantTensor
+from qtorchlike.solver import (
+    QuantSpec,
+    QuantType,
+    RestrictValueType,
+    ScalingImplType,
+    ScalingPerOutputType,
+    StatsOp,
+    solve,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class _MeanAbs:
+    """A qcore calibrator: ``±mean|x|`` (Brevitas' ``StatsOp.AVE``)."""
+
+    def __call__(self, x, axes, *, qtype, symmetric=True, narrow_range=False):  # noqa: D102
+        m = jnp.mean(jnp.abs(x), axis=tuple(axes), keepdims=True)
+        return -m, m
+
+
+def _calibration(spec: QuantSpec) -> Any:
+    if spec.stats_op is StatsOp.AVE:
+        return _MeanAbs()
+    if spec.stats_op is StatsOp.PERCENTILE:
+        return qcore.calibration.Percentile(spec.percentile)
+    return "absmax" if spec.signed else "minmax"
+
+
+def _threshold(x: jax.Array, spec: QuantSpec, channelwise=(), tiled=None) -> jax.Array:
+    """The statistic of ``x`` per scale block, through qcore.calibrate (no gradient)."""
+    qtype = spec.qtype if spec.qtype in qcore.qtypes.names() else "int8"
+    how = qcore.HowToQuantize(
+        qtype=qtype,
+        channelwise_axes=channelwise,
+        tiled_axes=tiled or {},
+        calibration=_calibration(spec),
+        symmetric=spec.signed or spec.stats_op is not StatsOp.PERCENTILE,
+    )
+    *_, hi = qcore.calibrate(jax.lax.stop_gradient(x.astype(jnp.float32)), how)
+    return hi
+
+
+def _ceil_ste(x: jax.Array) -> jax.Array:
+    return x + jax.lax.stop_gradient(jnp.ceil(x) - x)
+
+
+def _to_scale(threshold: jax.Array, spec: QuantSpec, log_domain: bool = False) -> jax.Array:
+    """Scale from a threshold (given as log2 when ``log_domain``)."""
+    if spec.restrict is RestrictValueType.POWER_OF_TWO:
+        # 2^ceil(log2 t) / int_scaling, int_scaling a power of two (Brevitas' CeilSte).
+        log_t = threshold if log_domain else jnp.log2(jnp.maximum(threshold, 1e-30))
+        return jnp.exp2(_ceil_ste(log_t) - math.log2(spec.int_scaling))
+    t = jnp.exp2(threshold) if log_domain else threshold
+    # An all-zero block gives threshold 0: fall back to scale 1 (qcore's rule).
+    t = jnp.where(t > 0, t, jnp.ones_like(t) * spec.int_scaling)
+    return t / spec.int_scaling
+
+
+def _log_param(spec: QuantSpec) -> bool:
+    return spec.restrict is not RestrictValueType.FP
+
+
+def _fake_quant(x: jax.Array, scale: jax.Array, spec: QuantSpec) -> jax.Array:
+    key = random.next_key() if spec.rounding == "stochastic" else None
+    if spec.bit_width > 16:  # wide biases: no qcore type, plain round-and-clip
+        lo, hi = -(2.0 ** (spec.bit_width - 1)), 2.0 ** (spec.bit_width - 1) - 1
+        return numerics.saturate(numerics.round_ste(x / scale), lo, hi) * scale
+    return qcore.fake_quant_with_scale(
+        x,
+        spec.qtype,
+        scale,
+        narrow_range=spec.narrow_range,
+        rounding=spec.rounding,
+        key=key,
+    )
+
+
+class _Proxy(Module):
+    """Shared machinery: the quantizer class, its spec, on/off switches."""
+
+    def __init__(self, quant: type) -> None:
+        super().__init__()
+        self.quant = quant
+        self.spec = solve(quant)
+        self.enabled = True
+
+    def trace_flags(self) -> tuple:
+        """Python-level switches a jitted trace depends on."""
+        return (self.enabled,)
+
+    def _qt(self, value: jax.Array, scale: jax.Array) -> QuantTensor:
+        return QuantTensor(
+            value,
+            scale,
+            jnp.zeros((), value.dtype),
+            jnp.asarray(float(self.spec.bit_width)),
+            self.spec.signed,
+            self.training,
+        )
+
+    def extra_repr(self) -> str:
+        s = self.spec
+        return f"{s.name}: {s.qtype}, {s.scaling.value} scaling, per {s.per.value}"
+
+
+class WeightQuantProxy(_Proxy):
+    """Quantizes weights; tracks the layers whose weights it serves.
+
+    Args:
+        quant: The quantizer class.
+        layer: The first layer whose weight it quantizes.
+        channel_axis: The output-channel axis of that weight (0 for
+            ``(out, in, ...)``, 1 for transposed convolutions' ``(in, out, ...)``).
+        input_axis: The input-channel axis (groups run along it).
+    """
+
+    def __init__(self, quant: type, layer: Module, channel_axis: int = 0, input_axis: int = 1):
+        super().__init__(quant)
+        if self.spec.requires_input_scale:
+            raise ValueError(
+                f"weight_quant={self.spec.name} needs an input scale (it is a bias "
+                "quantizer); use e.g. Int8WeightPerTensorFloat"
+            )
+        self._tracked: list[tuple[weakref.ref, int, int]] = []
+        self.track(layer, channel_axis, input_axis)
+
+    def track(self, layer: Module, channel_axis: int = 0, input_axis: int = 1) -> None:
+        """Adds a layer whose ``weight`` this proxy also quantizes (a shared quantizer)."""
+        self._tracked.append((weakref.ref(layer), channel_axis, input_axis))
+        if self.spec.scaling in (ScalingImplType.PARAMETER_FROM_STATS, ScalingImplType.PARAMETER):
+            self.init_scale()
+
+    def _weights(self) -> list[tuple[jax.Array, int, int]]:
+        out = []
+        for ref, c, i in self._tracked:
+            layer = ref()
+            if layer is not None and getattr(layer, "weight", None) is not None:
+                out.append((layer.weight, c, i))
+        return out
+
+    def _blocks(self, w: jax.Array, c: int, i: int) -> tuple[tuple[int, ...], dict[int, int]]:
+        per = self.spec.per
+        if per is ScalingPerOutputType.TENSOR:
+            return (), {}
+        if per is ScalingPerOutputType.CHANNEL:
+            return (c,), {}
+        g = self.spec.group_size
+        if w.shape[i] % g:
+            raise ValueError(
+                f"{self.spec.name}: group_size={g} must divide the weight's input-channel "
+                f"dimension {w.shape[i]} (weight shape {w.shape})"
+            )
+        return (c,), {i: g}
+
+    def _stat_threshold(self, w: jax.Array, c: int, i: int) -> jax.Array:
+        weights = self._weights()
+        if len(weights) <= 1:
+            return _threshold(w, self.spec, *self._blocks(w, c, i))
+        if self.spec.per is ScalingPerOutputType.TENSOR:
+            flat = jnp.concatenate([jnp.ravel(x) for x, *_ in weights])
+            return _threshold(flat, self.spec).reshape((1,) * w.ndim)
+        if self.spec.per is ScalingPerOutputType.CHANNEL:
+            rows = [jnp.moveaxis(x, cx, 0).reshape(x.shape[cx], -1) for x, cx, _ in weights]
+            if len({r.shape[0] for r in rows}) != 1:
+                raise ValueError(
+                    f"a shared per-channel quantizer ({self.spec.name}) needs the same number "
+                    f"of output channels in every layer; got {[r.shape[0] for r in rows]}"
+                )
+            t = _threshold(jnp.concatenate(rows, axis=1), self.spec, (0,))
+            shape = [1] * w.ndim
+            shape[c] = w.shape[c]
+            return t.reshape(shape)
+        raise ValueError(f"{self.spec.name}: per-group scales cannot be shared between layers")
+
+    def init_scale(self) -> None:
+        """(Re-)initialises a learned scale from the tracked weights' statistics."""
+        weights = self._weights()
+        if not weights:
+            return
+        w, c, i = weights[0]
+        if self.spec.scaling is ScalingImplType.PARAMETER:
+            shape = [1] * w.ndim
+            if self.spec.per is not ScalingPerOutputType.TENSOR:
+                shape[c] = w.shape[c]
+            t = jnp.full(shape, self.spec.scaling_value, jnp.float32)
+        else:
+            t = self._stat_threshold(w, c, i)
+        value = jnp.log2(jnp.maximum(t, 1e-30)) if _log_param(self.spec) else t
+        if "value" in self._parameters:
+            self.value = value
+        else:
+            self.value = Parameter(value)
+
+    def _after_load(self, loaded: set[str]) -> None:
+        from qtorchlike import config
+
+        # New float weights arrived but no stored scale: re-initialise it (Brevitas'
+        # REINIT_ON_STATE_DICT_LOAD); a loaded scale is kept as is.
+        if (
+            config.REINIT_ON_STATE_DICT_LOAD
+            and self.spec.scaling is ScalingImplType.PARAMETER_FROM_STATS
+            and "value" not in loaded
+        ):
+            self.init_scale()
+
+    def scale_for(self, w: jax.Array, c: int = 0, i: int = 1) -> jax.Array:
+        """The scale this proxy gives weight ``w`` now."""
+        spec = self.spec
+        if spec.scaling is ScalingImplType.CONST:
+            return _to_scale(jnp.asarray(spec.scaling_value, jnp.float32), spec).reshape(
+                (1,) * w.ndim
+            )
+        if spec.scaling is ScalingImplType.STATS:
+            return _to_scale(self._stat_threshold(w, c, i), spec)
+        return _to_scale(self.value, spec, log_domain=_log_param(spec))
+
+    def forward(self, w: jax.Array, channel_axis: int = 0, input_axis: int = 1) -> Any:
+        """Returns ``w`` quantized as a QuantTensor (``w`` itself when disabled)."""
+        if not self.enabled:
+            return w
+        scale = self.scale_for(w, channel_axis, input_axis)
+        return self._qt(_fake_quant(w, scale, self.spec), scale)
+
+
+class ActQuantProxy(_Proxy):
+    """Quantizes activations with a constant, running-statistics or learned scale.
+
+    Buffers: ``running`` (the threshold statistic) and ``counter`` (training
+    steps seen). With ``PARAMETER_FROM_STATS`` the first
+    ``collect_stats_steps`` training steps use each batch's statistic and
+    accumulate ``running``; at the last of them the learned parameter ``value``
+    takes ``running`` and from then on is trained. All of it is traced code
+    (``jnp.where`` on ``counter``), so it runs under ``jax.jit``.
+    """
+
+    def __init__(self, quant: type) -> None:
+        super().__init__(quant)
+        spec = self.spec
+        if spec.per is not ScalingPerOutputType.TENSOR:
+            raise ValueError(
+                f"act_quant={spec.name}: activation scales are per tensor here; got "
+                f"scaling_per_output_type={spec.per.name}"
+            )
+        if spec.requires_input_scale:
+            raise ValueError(f"act_quant={spec.name} is a bias quantizer")
+        self.calibrating = False
+        if spec.scaling in (ScalingImplType.STATS, ScalingImplType.PARAMETER_FROM_STATS):
+            self.register_buffer("running", jnp.zeros((), jnp.float32))
+            self.register_buffer("counter", jnp.zeros((), jnp.int32))
+        if spec.scaling in (ScalingImplType.PARAMETER, ScalingImplType.PARAMETER_FROM_STATS):
+            init = spec.scaling_value if spec.scaling_value is not None else 1.0
+            self.value = Parameter(
+                jnp.asarray(math.log2(init) if _log_param(spec) else init, jnp.float32)
+            )
+
+    def trace_flags(self) -> tuple:  # noqa: D102
+        return (self.enabled, self.calibrating)
+
+    def _update_running(self, stat: jax.Array, momentum: float | None) -> jax.Array:
+        n = self.counter.astype(jnp.float32)
+        if momentum is None:  # cumulative average
+            new = (self.running * n + stat) / (n + 1)
+        else:
+            new = jnp.where(
+                self.counter == 0, stat, (1 - momentum) * self.running + momentum * stat
+            )
+        self.running = new
+        self.counter = self.counter + 1
+        return new
+
+    def start_collection(self) -> None:
+        """Starts fresh statistics (used by :func:`qtorchlike.calibration_mode`)."""
+        if "running" in self._buffers:
+            self.running = jnp.zeros((), jnp.float32)
+            self.counter = jnp.zeros((), jnp.int32)
+
+    def finish_collection(self) -> None:
+        """Ends the statistics phase now: a learned scale takes the running statistic."""
+        if self.spec.scaling is ScalingImplType.PARAMETER_FROM_STATS:
+            running = self.running
+            self.value = jnp.log2(running) if _log_param(self.spec) else running
+            self.counter = jnp.asarray(max(self.spec.collect_stats_steps, 1), jnp.int32)
+
+    def threshold(self, x: jax.Array | None = None) -> jax.Array:
+        """The linear-domain threshold used now (updating statistics when training on ``x``)."""
+        spec = self.spec
+        if spec.scaling is ScalingImplType.CONST:
+            return jnp.asarray(spec.scaling_value, jnp.float32)
+        log = _log_param(spec)
+        learned = None
+        if "value" in self._parameters:
+            learned = jnp.exp2(self.value) if log else self.value
+        if spec.scaling is ScalingImplType.PARAMETER:
+            return learned
+        batch = None if x is None else _threshold(x, spec).reshape(())
+        if self.calibrating and batch is not None:
+            # Calibration: an exact running mean over every batch, no phase limit.
+            self._update_running(batch, None)
+            return batch
+        if spec.scaling is ScalingImplType.STATS:
+            if self.training and batch is not None:
+                self._update_running(batch, spec.momentum)
+                return batch
+            self._warn_if_empty()
+            return self.running
+        # PARAMETER_FROM_STATS: batch statistics for the first collect_stats_steps
+        # training calls, then the learned value (which takes the running statistic).
+        steps = max(spec.collect_stats_steps, 1)
+        if self.training and batch is not None:
+            in_phase = self.counter < steps
+            old_running, old_counter = self.running, self.counter
+            self._update_running(batch, spec.momentum)
+            self.running = jnp.where(in_phase, self.running, old_running)
+            self.counter = jnp.where(in_phase, self.counter, old_counter)
+            handover = in_phase & (self.counter == steps)
+            new_value = jnp.log2(self.running) if log else self.running
+            self.value = jnp.where(handover, new_value, self.value)
+            return jnp.where(in_phase, batch, learned)
+        self._warn_if_empty()
+        return jnp.where(self.counter < steps, self.running, learned)
+
+    def _warn_if_empty(self) -> None:
+        # Brevitas silently uses scale 1/128 here; say what is going on instead.
+        counter = self.counter
+        if not isinstance(counter, jax.core.Tracer) and int(counter) == 0:
+            warnings.warn(
+                f"{self.spec.name}: evaluating an activation quantizer that has seen no "
+                "statistics yet (its scale falls back to 1/int_scaling); run "
+                "qtorchlike.calibration_mode(model) on a few batches, or train first",
+                stacklevel=3,
+            )
+
+    def forward(self, x: Any) -> Any:
+        """Returns ``x`` quantized as a QuantTensor (``x`` itself when disabled)."""
+        xv = x.value if isinstance(x, QuantTensor) else jnp.asarray(x)
+        if not self.enabled:
+            return x
+        t = self.threshold(xv)
+        if self.calibrating:
+            return xv  # observe only: the model runs in float during calibration
+        scale = _to_scale(t, self.spec).reshape((1,) * xv.ndim)
+        return self._qt(_fake_quant(xv, scale, self.spec), scale)
+
+
+class BiasQuantProxy(_Proxy):
+    """Quantizes biases; with ``requires_input_scale`` the scale is input × weight scale."""
+
+    def forward(self, bias: jax.Array, input_scale: Any = None, weight_scale: Any = None) -> Any:
+        """Returns ``bias`` quantized (a QuantTensor) or ``bias`` when disabled.
+
+        Raises:
+            ValueError: If the quantizer needs an input scale and the input was
+                not quantized (give the layer an ``input_quant``).
+        """
+        if not self.enabled:
+            return bias
+        spec = self.spec
+        if spec.requires_input_scale:
+            if input_scale is None or weight_scale is None:
+                raise ValueError(
+                    f"bias_quant={spec.name} needs the input's scale (bias scale = input "
+                    "scale x weight scale) but the layer's input is not a QuantTensor: set "
+                    "input_quant=... on the layer, feed it a QuantTensor, or use a bias "
+                    "quantizer with its own scale"
+                )
+            scale = jnp.reshape(input_scale, (-1,)) * jnp.reshape(weight_scale, (-1,))
+            scale = jax.lax.stop_gradient(jnp.broadcast_to(scale, bias.shape))
+        elif spec.scaling is ScalingImplType.CONST:
+            scale = _to_scale(jnp.asarray(spec.scaling_value, jnp.float32), spec).reshape(1)
+        else:
+            scale = _to_scale(_threshold(bias, spec), spec)
+        return self._qt(_fake_quant(bias, scale, spec), scale)
+
+
+def scale_threshold(proxy: WeightQuantProxy) -> np.ndarray:
+    """The linear-domain threshold of a learned weight scale (``max|w|`` at init)."""
+    value = np.asarray(proxy.value, np.float64)
+    return np.exp2(value) if _log_param(proxy.spec) else value
+
+
+def is_quant(spec: QuantSpec) -> bool:
+    """Whether codes are integers (so the integer kernels of qcore apply)."""
+    return spec.quant_type is QuantType.INT

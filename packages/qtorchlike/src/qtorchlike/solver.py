@@ -1,0 +1,271 @@
+"""Turn a quantizer class's declarative attributes into a frozen, hashable :class:`QuantSpec`.
+
+Enum attributes may be given as enum members or as strings, case-insensitively
+(``scaling_impl_type = "parameter_from_stats"``), as Brevitas accepts them.
+
+Example:
+    >>> from qtorchlike.quant import Int8WeightPerChannelFloat
+    >>> spec = solve(Int8WeightPerChannelFloat.let(bit_width=4))
+    >>> spec.qtype, spec.narrow_range, spec.per.name, spec.int_scaling
+    ('int4', True, 'CHANNEL', 7.0)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Any
+
+from qtorchlike import inject
+
+
+class _StrEnum(enum.StrEnum):
+    @classmethod
+    def parse(cls, raw: Any, name: str) -> Any:
+        if isinstance(raw, cls):
+            return raw
+        if isinstance(raw, str):
+            for member in cls:
+                if member.value == raw.strip().lower():
+                    return member
+        allowed = ", ".join(m.name for m in cls)
+        raise ValueError(f"{name}={raw!r} is not a {cls.__name__}; allowed: {allowed}")
+
+
+class QuantType(_StrEnum):
+    """What the codes are: integers, ±1, {-1, 0, 1}, or minifloats."""
+
+    INT = "int"
+    BINARY = "binary"
+    TERNARY = "ternary"
+    FP = "fp"
+
+
+class ScalingImplType(_StrEnum):
+    """Where the scale comes from.
+
+    ``CONST``: ``scaling_const``. ``STATS``: statistics of the tensor, every call
+    (weights) or running statistics (activations). ``PARAMETER``: a learned
+    parameter starting at ``scaling_init``. ``PARAMETER_FROM_STATS``: a learned
+    parameter initialised from statistics (weights: at construction and on
+    state-dict load; activations: after ``collect_stats_steps`` training steps).
+    """
+
+    CONST = "const"
+    STATS = "stats"
+    PARAMETER = "parameter"
+    PARAMETER_FROM_STATS = "parameter_from_stats"
+
+
+class StatsOp(_StrEnum):
+    """The statistic behind a scale: max, mean, or a high percentile of |x| (or x if unsigned)."""
+
+    MAX = "max"
+    AVE = "ave"
+    PERCENTILE = "percentile"
+
+
+class RestrictValueType(_StrEnum):
+    """Restriction on scales: any float, learned in log2 domain, or powers of two."""
+
+    FP = "fp"
+    LOG_FP = "log_fp"
+    POWER_OF_TWO = "power_of_two"
+
+
+class ScalingPerOutputType(_StrEnum):
+    """Scale granularity: one per tensor, per output channel, or per group of inputs."""
+
+    TENSOR = "tensor"
+    CHANNEL = "channel"
+    GROUP = "group"
+
+
+class FloatToIntImplType(_StrEnum):
+    """Rounding of scaled values: to nearest (ties to even) or stochastic."""
+
+    ROUND = "round"
+    STOCHASTIC_ROUND = "stochastic_round"
+
+
+_FP_TYPES = {(4, 3): "float8_e4m3fn", (5, 2): "float8_e5m2", (2, 1): "float4_e2m1fn"}
+_FP_MAX = {"float8_e4m3fn": 448.0, "float8_e5m2": 57344.0, "float4_e2m1fn": 6.0}
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantSpec:
+    """Everything a quantizer proxy needs, resolved from a quantizer class.
+
+    Attributes:
+        name: The quantizer class's name (for messages).
+        quant_type: Integer, binary, ternary or minifloat codes.
+        qtype: The qcore type name the codes use (``"int8"``, ``"int1"``, ``"float8_e4m3fn"``...).
+        bit_width: Bits per code.
+        signed: Whether codes can be negative (None: a binary quantizer without
+            ``signed``, whose QuantTensors are not valid, as in Brevitas).
+        narrow_range: Signed codes skip their most negative value.
+        scaling: Where the threshold comes from.
+        scaling_value: ``scaling_const`` or ``scaling_init`` (None for statistics).
+        stats_op: The statistic for statistics-based scales.
+        percentile: ``high_percentile_q`` for :attr:`StatsOp.PERCENTILE`.
+        per: One scale per tensor, per output channel, or per group.
+        group_size: Inputs per group for per-group scales.
+        restrict: Restriction on scales.
+        collect_stats_steps: Training steps that collect activation statistics
+            before a learned scale takes over.
+        momentum: Momentum of running statistics (None: cumulative average).
+        rounding: qcore rounding mode.
+        requires_input_scale: Bias scale is input scale × weight scale.
+        int_scaling: The threshold is divided by this to give the scale.
+    """
+
+    name: str
+    quant_type: QuantType
+    qtype: str
+    bit_width: int
+    signed: bool | None
+    narrow_range: bool
+    scaling: ScalingImplType
+    scaling_value: float | None
+    stats_op: StatsOp
+    percentile: float
+    per: ScalingPerOutputType
+    group_size: int | None
+    restrict: RestrictValueType
+    collect_stats_steps: int
+    momentum: float | None
+    rounding: str
+    requires_input_scale: bool
+    int_scaling: float
+
+
+def _get(q: type, name: str, default: Any = inject._MISSING) -> Any:
+    if default is not inject._MISSING and not inject.has(q, name):
+        return default
+    return inject.resolve(q, name)
+
+
+def _marked(q: type, impl: str, enum_name: str, default: Any = inject._MISSING) -> Any:
+    """The enum attribute, or the kind of an implementation marker (``tensor_quant``...)."""
+    if inject.has(q, impl) and not inject.has(q, enum_name):
+        marker = _get(q, impl)
+        kind = getattr(marker, "kind", None)
+        if kind is None:
+            raise ValueError(
+                f"{q.__name__}.{impl}={marker!r} is not an implementation qtorchlike knows; "
+                "allowed: the classes in qtorchlike.core"
+            )
+        return kind
+    return _get(q, enum_name, default)
+
+
+def _int(q: type, name: str, raw: Any, lo: int, hi: int) -> int:
+    if isinstance(raw, bool) or not isinstance(raw, int) or not lo <= raw <= hi:
+        raise ValueError(f"{q.__name__}.{name}={raw!r} must be an int in [{lo}, {hi}]")
+    return raw
+
+
+def solve(q: type) -> QuantSpec:
+    """Resolves quantizer class ``q`` into a :class:`QuantSpec`.
+
+    Raises:
+        inject.DependencyError: A required attribute is missing (the message
+            shows the chain and the nearest names).
+        ValueError: An attribute has a value outside what is allowed.
+    """
+    if not (isinstance(q, type) and issubclass(q, inject.ExtendedInjector)):
+        raise TypeError(
+            f"quantizer {q!r} must be a subclass of qtorchlike.inject.ExtendedInjector "
+            "(e.g. qtorchlike.quant.Int8WeightPerTensorFloat) or None"
+        )
+    name = q.__name__
+    quant_type = _marked(q, "tensor_quant", "quant_type", QuantType.INT)
+    quant_type = QuantType.parse(quant_type, f"{name}.quant_type")
+    signed: bool | None = bool(_get(q, "signed", True))
+    narrow = bool(_get(q, "narrow_range", False))
+    if quant_type is QuantType.BINARY:
+        # Brevitas leaves a binary quantizer's sign unset unless `signed` is given,
+        # and its QuantTensors are then not valid; the walkthrough sets signed=True.
+        signed = bool(_get(q, "signed")) if inject.has(q, "signed") else None
+        bits, qtype, int_scaling, narrow = 1, "int1", 1.0, False
+    elif quant_type is QuantType.TERNARY:
+        bits, qtype, int_scaling, signed, narrow = 2, "int2", 1.0, True, True
+    elif quant_type is QuantType.FP:
+        e = _int(q, "exponent_bit_width", _get(q, "exponent_bit_width"), 1, 8)
+        m = _int(q, "mantissa_bit_width", _get(q, "mantissa_bit_width"), 0, 7)
+        if (e, m) not in _FP_TYPES:
+            raise ValueError(
+                f"{name}: exponent_bit_width={e}, mantissa_bit_width={m} is not a supported "
+                f"minifloat; allowed (exponent, mantissa): {sorted(_FP_TYPES)}"
+            )
+        qtype = _FP_TYPES[e, m]
+        bits, int_scaling, signed, narrow = 1 + e + m, _FP_MAX[qtype], True, False
+    else:
+        bits = _int(q, "bit_width", _get(q, "bit_width"), 2, 32)
+        if bits > 8 and bits != 16 and not _get(q, "requires_input_scale", False):
+            raise ValueError(
+                f"{name}.bit_width={bits}: weight and activation codes have 2-8 or 16 bits "
+                "(biases, which use input scale x weight scale, up to 32)"
+            )
+        qtype = f"{'int' if signed else 'uint'}{bits}"
+        # Brevitas' IntScaling: a signed threshold maps to -min_int (2^(b-1), or
+        # 2^(b-1) - 1 when narrow), an unsigned one to max_int (2^b - 1, or 2^b - 2
+        # when narrow). Power-of-two scales divide by 2^(b-1) (2^b unsigned) whatever
+        # the range, so the scale stays a power of two.
+        restrict = _get(q, "restrict_scaling_type", RestrictValueType.FP)
+        if RestrictValueType.parse(restrict, f"{name}.restrict") is RestrictValueType.POWER_OF_TWO:
+            int_scaling = float(2 ** (bits - 1) if signed else 2**bits)
+        else:
+            int_scaling = float(2 ** (bits - 1) - narrow if signed else 2**bits - 1 - narrow)
+    scaling = _marked(q, "scaling_impl", "scaling_impl_type")
+    scaling = ScalingImplType.parse(scaling, f"{name}.scaling_impl_type")
+    scaling_value = None
+    if scaling is ScalingImplType.CONST:
+        scaling_value = float(_get(q, "scaling_const"))
+    elif scaling is ScalingImplType.PARAMETER:
+        scaling_value = float(_get(q, "scaling_init"))
+    if scaling_value is not None and not scaling_value > 0:
+        raise ValueError(f"{name}: the scaling constant/init {scaling_value!r} must be > 0")
+    per_raw = _get(q, "scaling_per_output_type", None)
+    if per_raw is None:
+        per_channel = bool(_get(q, "scaling_per_output_channel", False))
+        per_raw = ScalingPerOutputType.CHANNEL if per_channel else ScalingPerOutputType.TENSOR
+    per = ScalingPerOutputType.parse(per_raw, f"{name}.scaling_per_output_type")
+    group_size = None
+    if per is ScalingPerOutputType.GROUP:
+        group_size = _int(q, "group_size", _get(q, "group_size"), 1, 1 << 20)
+    momentum = _get(q, "scaling_stats_momentum", None)
+    if momentum is not None and not 0 < momentum <= 1:
+        raise ValueError(f"{name}.scaling_stats_momentum={momentum!r} must be in (0, 1] or None")
+    percentile = float(_get(q, "high_percentile_q", 99.999))
+    if not 0 < percentile <= 100:
+        raise ValueError(f"{name}.high_percentile_q={percentile!r} must be in (0, 100]")
+    rounding = FloatToIntImplType.parse(
+        _get(q, "float_to_int_impl_type", FloatToIntImplType.ROUND), f"{name}.float_to_int"
+    )
+    return QuantSpec(
+        name=name,
+        quant_type=quant_type,
+        qtype=qtype,
+        bit_width=bits,
+        signed=signed,
+        narrow_range=narrow,
+        scaling=scaling,
+        scaling_value=scaling_value,
+        stats_op=StatsOp.parse(_get(q, "scaling_stats_op", StatsOp.MAX), f"{name}.stats_op"),
+        percentile=percentile,
+        per=per,
+        group_size=group_size,
+        restrict=RestrictValueType.parse(
+            _get(q, "restrict_scaling_type", RestrictValueType.FP), f"{name}.restrict"
+        ),
+        collect_stats_steps=_int(
+            q, "collect_stats_steps", _get(q, "collect_stats_steps", 0), 0, 1 << 30
+        ),
+        momentum=None if momentum is None else float(momentum),
+        rounding="stochastic"
+        if rounding is FloatToIntImplType.STOCHASTIC_ROUND
+        else "nearest_even",
+        requires_input_scale=bool(_get(q, "requires_input_scale", False)),
+        int_scaling=int_scaling,
+    )
