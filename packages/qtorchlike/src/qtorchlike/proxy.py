@@ -115,6 +115,8 @@ def _fake_quant(x: jax.Array, scale: jax.Array, spec: QuantSpec) -> jax.Array:
 class _Proxy(Module):
     """Shared machinery: the quantizer class, its spec, on/off switches."""
 
+    is_quantizer = True  # its state may be missing from float checkpoints
+
     def __init__(self, quant: type) -> None:
         super().__init__()
         self.quant = quant

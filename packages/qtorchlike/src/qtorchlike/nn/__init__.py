@@ -23,8 +23,13 @@ from qtorchlike.nn.containers import (
     Sequential,
 )
 from qtorchlike.nn.conv import QuantConv1d, QuantConv2d
+from qtorchlike.nn.conv_transpose import QuantConvTranspose2d
+from qtorchlike.nn.embedding import QuantEmbedding
 from qtorchlike.nn.linear import QuantLinear
+from qtorchlike.nn.merge import QuantCat, QuantEltwiseAdd
 from qtorchlike.nn.module import IncompatibleKeys, Module, Parameter, RemovableHandle
+from qtorchlike.nn.pool import TruncAvgPool2d
+from qtorchlike.nn.upsample import QuantUpsample, QuantUpsamplingNearest2d
 
 __all__ = [
     "AvgPool2d",
@@ -36,15 +41,22 @@ __all__ = [
     "Module",
     "ModuleList",
     "Parameter",
+    "QuantCat",
     "QuantConv1d",
     "QuantConv2d",
+    "QuantConvTranspose2d",
+    "QuantEltwiseAdd",
+    "QuantEmbedding",
     "QuantHardTanh",
     "QuantIdentity",
     "QuantLinear",
     "QuantReLU",
     "QuantSigmoid",
     "QuantTanh",
+    "QuantUpsample",
+    "QuantUpsamplingNearest2d",
     "ReLU",
     "RemovableHandle",
     "Sequential",
+    "TruncAvgPool2d",
 ]

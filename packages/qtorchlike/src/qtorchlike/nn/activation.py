@@ -126,10 +126,11 @@ class QuantHardTanh(_QuantAct):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         if "min_val" not in kwargs or "max_val" not in kwargs:
             raise TypeError("QuantHardTanh needs min_val= and max_val= (the clamp bounds)")
-        self._bounds = (float(kwargs["min_val"]), float(kwargs["max_val"]))
-        if not self._bounds[0] < self._bounds[1]:
-            raise ValueError(f"min_val={self._bounds[0]} must be < max_val={self._bounds[1]}")
+        bounds = (float(kwargs["min_val"]), float(kwargs["max_val"]))
+        if not bounds[0] < bounds[1]:
+            raise ValueError(f"min_val={bounds[0]} must be < max_val={bounds[1]}")
         super().__init__(*args, **kwargs)
+        self._bounds = bounds
 
     def activation(self, x: jax.Array) -> jax.Array:  # noqa: D102
         if self.act_quant is not None and self.act_quant.enabled:

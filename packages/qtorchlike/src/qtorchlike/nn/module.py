@@ -308,8 +308,10 @@ class Module:
 
         Args:
             state_dict: Arrays (JAX, NumPy or anything ``jnp.asarray`` takes) by name.
-            strict: Require exactly the model's keys. Missing keys are tolerated
-                when :data:`qtorchlike.config.IGNORE_MISSING_KEYS` is set.
+            strict: Require exactly the model's keys. Missing quantizer keys
+                (scales, statistics) are tolerated when
+                :data:`qtorchlike.config.IGNORE_MISSING_KEYS` is set, so a float
+                checkpoint loads into a quantized model.
 
         Returns:
             The missing and unexpected keys.
@@ -322,8 +324,12 @@ class Module:
         own = self.state_dict()
         missing = [k for k in own if k not in state_dict]
         unexpected = [k for k in state_dict if k not in own]
-        if strict and (unexpected or missing and not config.IGNORE_MISSING_KEYS):
-            raise KeyError(_key_error(missing, unexpected, list(own)))
+        required = missing
+        if config.IGNORE_MISSING_KEYS:
+            # Quantizer state (scales, statistics) may be absent: a float checkpoint.
+            required = [k for k in missing if not getattr(locate(self, k)[0], "is_quantizer", False)]
+        if strict and (unexpected or required):
+            raise KeyError(_key_error(required, unexpected, list(own)))
         new: dict[str, jax.Array] = {}
         for key, value in state_dict.items():
             if key not in own:
@@ -380,7 +386,8 @@ def _key_error(missing: list[str], unexpected: list[str], own: list[str]) -> str
         parts.append(f"Unexpected keys: {unexpected}." + (f" {hints}" if hints else ""))
     parts.append(
         "Pass strict=False to load what matches, or set qtorchlike.config.IGNORE_MISSING_KEYS "
-        "(environment variable QTORCHLIKE_IGNORE_MISSING_KEYS=1) to tolerate missing keys."
+        "(environment variable QTORCHLIKE_IGNORE_MISSING_KEYS=1) to tolerate missing "
+        "quantizer keys (loading a float checkpoint)."
     )
     return " ".join(parts)
 
