@@ -327,7 +327,7 @@ class Module:
         required = missing
         if config.IGNORE_MISSING_KEYS:
             # Quantizer state (scales, statistics) may be absent: a float checkpoint.
-            required = [k for k in missing if not getattr(locate(self, k)[0], "is_quantizer", False)]
+            required = [k for k in missing if not _is_quantizer_state(self, k)]
         if strict and (unexpected or required):
             raise KeyError(_key_error(required, unexpected, list(own)))
         new: dict[str, jax.Array] = {}
@@ -368,6 +368,10 @@ def _forget(d: dict, name: str) -> None:
     for store in ("_parameters", "_buffers", "_modules"):
         d[store].pop(name, None)
     d.pop(name, None)
+
+
+def _is_quantizer_state(model: Module, key: str) -> bool:
+    return getattr(locate(model, key)[0], "is_quantizer", False)
 
 
 def _under(key: str, prefix: str) -> bool:
