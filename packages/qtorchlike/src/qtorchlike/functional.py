@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.core import Tracer
 
 from qtorchlike import random
 from qtorchlike.quant_tensor import QuantTensor
@@ -163,7 +164,7 @@ def cat(tensors: Sequence[Any], dim: int = 0) -> Any:
     for t in tensors[1:]:
         for field in ("bit_width", "signed") + (() if training else ("scale", "zero_point")):
             a, b = getattr(first, field), getattr(t, field)
-            if isinstance(a, jax.core.Tracer) or isinstance(b, jax.core.Tracer):
+            if isinstance(a, Tracer) or isinstance(b, Tracer):
                 continue
             if not np.array_equal(np.asarray(a), np.asarray(b)):
                 raise ValueError(
@@ -178,7 +179,7 @@ def cat(tensors: Sequence[Any], dim: int = 0) -> Any:
     return first._like(out)
 
 
-def interpolate(x: Any, scale_factor: int | None = None, size: Any = None) -> Any:
+def interpolate(x: Any, scale_factor: Any = None, size: Any = None) -> Any:
     """Nearest-neighbour upsampling of NCHW input by an integer factor (or to ``size``).
 
     Nearest keeps every value, so a QuantTensor stays one.

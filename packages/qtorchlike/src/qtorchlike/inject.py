@@ -68,6 +68,8 @@ def value(fn: Callable[..., Any]) -> Any:
 class _This:
     """``this.a.b``: the attribute ``a`` of the same quantizer, then ``.b`` of it."""
 
+    _path: tuple[str, ...]
+
     def __init__(self, path: tuple[str, ...] = ()) -> None:
         object.__setattr__(self, "_path", path)
 

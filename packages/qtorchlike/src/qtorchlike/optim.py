@@ -23,7 +23,6 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Mapping
-from functools import partial
 from typing import Any
 
 import jax
@@ -64,7 +63,12 @@ class _Optimizer:
         raise NotImplementedError
 
     def update(self, grads: Any, state: Any, params: Any) -> tuple[Any, Any]:
-        """Returns ``(new_params, new_state)``."""
+        """Returns ``(new_params, new_state)``; pure and jitted."""
+        if getattr(self, "_compiled", None) is None:
+            self._compiled = jax.jit(self._update)
+        return self._compiled(grads, state, params)
+
+    def _update(self, grads: Any, state: Any, params: Any) -> tuple[Any, Any]:
         raise NotImplementedError
 
     def step(self, grads: Mapping[str, jax.Array]) -> None:
@@ -107,8 +111,7 @@ class SGD(_Optimizer):
     def init(self, params):  # noqa: D102
         return {k: jnp.zeros_like(v) for k, v in params.items()}
 
-    @partial(jax.jit, static_argnums=0)
-    def update(self, grads, state, params):  # noqa: D102
+    def _update(self, grads, state, params):
         new_params, new_state = {}, {}
         for k, p in params.items():
             g = grads[k] + self.weight_decay * p
@@ -143,8 +146,7 @@ class Adam(_Optimizer):
         zeros = {k: jnp.zeros_like(v) for k, v in params.items()}
         return {"m": zeros, "v": dict(zeros), "t": jnp.zeros((), jnp.int32)}
 
-    @partial(jax.jit, static_argnums=0)
-    def update(self, grads, state, params):  # noqa: D102
+    def _update(self, grads, state, params):
         b1, b2 = self.betas
         t = state["t"] + 1
         tf = t.astype(jnp.float32)

@@ -29,6 +29,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.core import Tracer
 
 import qcore
 from qcore import numerics
@@ -184,6 +185,7 @@ class WeightQuantProxy(_Proxy):
         if per is ScalingPerOutputType.CHANNEL:
             return (c,), {}
         g = self.spec.group_size
+        assert g is not None  # the solver sets it for per-group scales
         if w.shape[i] % g:
             raise ValueError(
                 f"{self.spec.name}: group_size={g} must divide the weight's input-channel "
@@ -221,7 +223,7 @@ class WeightQuantProxy(_Proxy):
             shape = [1] * w.ndim
             if self.spec.per is not ScalingPerOutputType.TENSOR:
                 shape[c] = w.shape[c]
-            t = jnp.full(shape, self.spec.scaling_value, jnp.float32)
+            t = jnp.full(shape, float(self.spec.scaling_value or 1.0), jnp.float32)
         else:
             t = self._stat_threshold(w, c, i)
         value = jnp.log2(jnp.maximum(t, 1e-30)) if _log_param(self.spec) else t
@@ -329,6 +331,8 @@ class ActQuantProxy(_Proxy):
         learned = None
         if "value" in self._parameters:
             learned = jnp.exp2(self.value) if log else self.value
+        if learned is None:  # no learned value: statistics only (STATS)
+            learned = self.running
         if spec.scaling is ScalingImplType.PARAMETER:
             return learned
         batch = None if x is None else _threshold(x, spec).reshape(())
@@ -361,7 +365,7 @@ class ActQuantProxy(_Proxy):
     def _warn_if_empty(self) -> None:
         # Brevitas silently uses scale 1/128 here; say what is going on instead.
         counter = self.counter
-        if not isinstance(counter, jax.core.Tracer) and int(counter) == 0:
+        if not isinstance(counter, Tracer) and int(counter) == 0:
             warnings.warn(
                 f"{self.spec.name}: evaluating an activation quantizer that has seen no "
                 "statistics yet (its scale falls back to 1/int_scaling); run "

@@ -25,6 +25,8 @@ Example:
 
 from __future__ import annotations
 
+from typing import Any
+
 from qtorchlike.inject import ExtendedInjector, value
 from qtorchlike.solver import (
     FloatToIntImplType,
@@ -82,7 +84,8 @@ class ParamMinMaxInitScaling(ExtendedInjector):
     scaling_impl_type = ScalingImplType.PARAMETER
 
     @value
-    def scaling_init(min_val, max_val):
+    def scaling_init(min_val: Any, max_val: Any) -> float:
+        """The larger bound's magnitude (injected by name from ``min_val``, ``max_val``)."""
         return max(abs(float(min_val)), abs(float(max_val)))
 
 
@@ -307,7 +310,41 @@ class Int8BiasPerTensorFloatInternalScaling(IntQuant, MaxStatsScaling, PerTensor
 
 
 __all__ = [
-    name
-    for name, obj in dict(globals()).items()
-    if isinstance(obj, type) and issubclass(obj, ExtendedInjector) and not name.startswith("_")
+    "Fp8e4m3ActPerTensorFloat",
+    "Fp8e4m3WeightPerTensorFloat",
+    "Fp8e5m2ActPerTensorFloat",
+    "Fp8e5m2WeightPerTensorFloat",
+    "Int16Bias",
+    "Int24Bias",
+    "Int32Bias",
+    "Int4WeightPerChannelFloat",
+    "Int4WeightPerGroupFloat",
+    "Int8ActPerTensorFixedPoint",
+    "Int8ActPerTensorFloat",
+    "Int8ActPerTensorFloatMinMaxInit",
+    "Int8Bias",
+    "Int8BiasPerTensorFloatInternalScaling",
+    "Int8WeightPerChannelFixedPoint",
+    "Int8WeightPerChannelFloat",
+    "Int8WeightPerChannelFloatLSQ",
+    "Int8WeightPerTensorFixedPoint",
+    "Int8WeightPerTensorFloat",
+    "IntBias",
+    "IntQuant",
+    "MaxStatsScaling",
+    "NarrowIntQuant",
+    "ParamFromRuntimePercentileScaling",
+    "ParamMinMaxInitScaling",
+    "PerChannelFloatScaling8bit",
+    "PerChannelPoTScaling8bit",
+    "PerTensorFloatScaling8bit",
+    "PerTensorPoTScaling8bit",
+    "SignedBinaryActPerTensorConst",
+    "SignedBinaryWeightPerTensorConst",
+    "SignedTernaryActPerTensorConst",
+    "SignedTernaryWeightPerTensorConst",
+    "Uint8ActPerTensorFixedPoint",
+    "Uint8ActPerTensorFloat",
+    "Uint8ActPerTensorFloatMaxInit",
+    "UintQuant",
 ]

@@ -39,10 +39,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.core import Tracer
 
 
 def _concrete(*xs: Any) -> bool:
-    return not any(isinstance(x, jax.core.Tracer) for x in xs)
+    return not any(isinstance(x, Tracer) for x in xs)
 
 
 @jax.tree_util.register_pytree_node_class

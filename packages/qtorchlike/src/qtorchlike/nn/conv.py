@@ -13,7 +13,7 @@ import qcore
 from qtorchlike import random
 from qtorchlike.nn.linear import kaiming_uniform, qarray_of
 from qtorchlike.nn.module import Parameter
-from qtorchlike.nn.quant_layer import QuantWBIOL
+from qtorchlike.nn.quant_layer import QuantWBIOL, spec_of
 from qtorchlike.quant import Int8WeightPerTensorFloat
 from qtorchlike.quant_tensor import QuantTensor
 
@@ -106,8 +106,8 @@ class _QuantConvNd(QuantWBIOL):
 
     def _int_op(self, x: QuantTensor, w: QuantTensor) -> Any:
         self._check_input(x.value)
-        xa = qarray_of(x, self.input_quant.spec.qtype, x.ndim)
-        wa = qarray_of(w, self.weight_quant.spec.qtype, w.ndim)
+        xa = qarray_of(x, spec_of(self.input_quant).qtype, x.ndim)
+        wa = qarray_of(w, spec_of(self.weight_quant).qtype, w.ndim)
         return self._conv(qcore.conv_general_dilated, xa, wa)
 
     def extra_repr(self) -> str:

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import qcore
 from qtorchlike import random
 from qtorchlike.nn.module import Parameter
-from qtorchlike.nn.quant_layer import QuantWBIOL
+from qtorchlike.nn.quant_layer import QuantWBIOL, spec_of
 from qtorchlike.quant import Int8WeightPerTensorFloat
 from qtorchlike.quant_tensor import QuantTensor
 
@@ -92,8 +92,8 @@ class QuantLinear(QuantWBIOL):
         return jnp.matmul(x, w.T)
 
     def _int_op(self, x: QuantTensor, w: QuantTensor) -> Any:
-        xa = qarray_of(x, self.input_quant.spec.qtype, x.ndim)
-        wa = qarray_of(w, self.weight_quant.spec.qtype, 2)
+        xa = qarray_of(x, spec_of(self.input_quant).qtype, x.ndim)
+        wa = qarray_of(w, spec_of(self.weight_quant).qtype, 2)
         dims = (((x.ndim - 1,), (1,)), ((), ()))
         return qcore.dot_general(xa, wa, dims)
 

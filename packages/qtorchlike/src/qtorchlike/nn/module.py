@@ -37,7 +37,7 @@ from __future__ import annotations
 import itertools
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -46,8 +46,11 @@ import numpy as np
 from qtorchlike import config
 
 
-class Parameter:
+class ParameterBox:
     """Marks an array as a trainable parameter when assigned to a module attribute.
+
+    Use it as ``Parameter(data)``: for type checkers that call returns an array,
+    which is what reading the attribute back gives.
 
     Args:
         data: The initial value (anything ``jnp.asarray`` accepts).
@@ -63,6 +66,15 @@ class Parameter:
 
     def __repr__(self) -> str:
         return f"Parameter(shape={tuple(self.data.shape)}, dtype={self.data.dtype})"
+
+
+if TYPE_CHECKING:
+
+    def Parameter(data: Any, requires_grad: bool = True) -> jax.Array:  # noqa: N802, D103
+        ...
+
+else:
+    Parameter = ParameterBox
 
 
 class IncompatibleKeys(NamedTuple):
@@ -116,7 +128,7 @@ class Module:
                 "super().__init__() first in your module's __init__"
             )
         params, buffers, modules = d["_parameters"], d["_buffers"], d["_modules"]
-        if isinstance(value, Parameter):
+        if isinstance(value, ParameterBox):
             _forget(d, name)
             params[name] = value.data
             (d["_frozen"].discard if value.requires_grad else d["_frozen"].add)(name)
@@ -167,7 +179,7 @@ class Module:
             self.__dict__["_non_persistent"].add(name)
         self.__dict__.pop(name, None)
 
-    def register_parameter(self, name: str, param: Parameter | None) -> None:
+    def register_parameter(self, name: str, param: Any) -> None:
         """Adds a parameter (``None`` removes it, e.g. ``bias=False``)."""
         if param is None:
             self.__dict__["_parameters"].pop(name, None)

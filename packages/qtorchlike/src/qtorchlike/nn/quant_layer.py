@@ -20,6 +20,7 @@ from qtorchlike import inject
 from qtorchlike.nn.module import Module
 from qtorchlike.proxy import ActQuantProxy, BiasQuantProxy, WeightQuantProxy, _Proxy, is_quant
 from qtorchlike.quant_tensor import QuantTensor
+from qtorchlike.solver import QuantSpec
 
 
 def split_kwargs(
@@ -97,6 +98,13 @@ def bias_proxy(quant: Any, overrides: dict) -> BiasQuantProxy | None:
         return shared
     q = _injector(quant, overrides, "bias_quant")
     return None if q is None else BiasQuantProxy(q)
+
+
+def spec_of(proxy: _Proxy | None) -> QuantSpec:
+    """The spec of a proxy that the caller knows is set."""
+    if proxy is None:
+        raise RuntimeError("internal error: a quantizer expected here is None")
+    return proxy.spec
 
 
 def max_uint(bits: Any) -> Any:
@@ -221,9 +229,10 @@ class QuantWBIOL(Module):
             scale = scale.reshape(self._channel_shape(y.ndim, scale.size))
             bits = acc_bit_width(xq.bit_width, wq.bit_width, fan_in(self.weight.shape))
             zp = jnp.zeros((), y.dtype)
-            if isinstance(bq, QuantTensor) and self.bias_quant.spec.requires_input_scale:
+            if isinstance(bq, QuantTensor) and spec_of(self.bias_quant).requires_input_scale:
                 bits = jnp.maximum(bits, bq.bit_width) + 1
-            elif bias is not None:
+            elif bq is not None:
+                # A float (or separately scaled) bias shifts the integer grid.
                 bv = bq.value if isinstance(bq, QuantTensor) else bq
                 zp = -bv.reshape(self._channel_shape(y.ndim, bv.shape[0])) / scale
             signed = bool(xq.signed or wq.signed)
