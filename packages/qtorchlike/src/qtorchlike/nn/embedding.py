@@ -7,6 +7,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.core import Tracer
 
 from qtorchlike import random
 from qtorchlike.nn.module import Module, Parameter
@@ -88,7 +89,7 @@ class QuantEmbedding(Module):
                 f"{type(self).__name__} takes integer ids; got dtype {ids.dtype} "
                 "(cast with .astype(jnp.int32))"
             )
-        if isinstance(ids, jax.core.Tracer) or ids.size == 0:
+        if isinstance(ids, Tracer) or ids.size == 0:
             return
         arr = np.asarray(ids)
         lo, hi = int(arr.min()), int(arr.max())

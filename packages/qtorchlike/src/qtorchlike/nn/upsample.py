@@ -20,10 +20,17 @@ def _size_arg(v: Any, name: str) -> int | tuple[int, ...] | None:
     if v is None:
         return None
     seq = isinstance(v, tuple | list)
-    items = [int(i) if isinstance(i, float) and i.is_integer() else i for i in (v if seq else [v])]
-    if (seq and len(items) != 2) or any(
-        isinstance(i, bool) or not isinstance(i, int) or i < 1 for i in items
-    ):
+    raw = list(v) if seq else [v]
+    ok = not seq or len(raw) == 2
+    items: list[int] = []
+    for i in raw:
+        if isinstance(i, float) and i.is_integer():
+            i = int(i)
+        if isinstance(i, bool) or not isinstance(i, int) or i < 1:
+            ok = False
+            break
+        items.append(i)
+    if not ok:
         raise ValueError(
             f"{name}={v!r} must be a positive int or a pair of them (nearest upsampling by "
             "integer factors, or to a size)"
