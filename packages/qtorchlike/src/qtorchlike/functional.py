@@ -55,10 +55,10 @@ def hardtanh(x: Any, min_val: float = -1.0, max_val: float = 1.0) -> Any:
     return jnp.clip(value(x), min_val, max_val)
 
 
-def _pair(v: Any, name: str) -> tuple[int, int]:
+def _pair(v: Any, name: str, lowest: int = 1) -> tuple[int, int]:
     out = (v, v) if isinstance(v, int) else tuple(v)
-    if len(out) != 2 or any(not isinstance(i, int) or i < 0 for i in out):
-        raise ValueError(f"{name}={v!r} must be a non-negative int or a pair of them")
+    if len(out) != 2 or any(not isinstance(i, int) or i < lowest for i in out):
+        raise ValueError(f"{name}={v!r} must be an int >= {lowest} or a pair of them")
     return out  # type: ignore[return-value]
 
 
@@ -73,7 +73,7 @@ def max_pool2d(x: Any, kernel_size: Any, stride: Any = None, padding: Any = 0) -
     _check_nchw(v, "max_pool2d")
     k = _pair(kernel_size, "kernel_size")
     s = _pair(stride if stride is not None else kernel_size, "stride")
-    p = _pair(padding, "padding")
+    p = _pair(padding, "padding", lowest=0)
     pads = ((0, 0), (0, 0), (p[0], p[0]), (p[1], p[1]))
     out = lax.reduce_window(v, -jnp.inf, lax.max, (1, 1, *k), (1, 1, *s), pads)
     return _keep(x, out)
@@ -180,22 +180,22 @@ def cat(tensors: Sequence[Any], dim: int = 0) -> Any:
 
 
 def interpolate(x: Any, scale_factor: Any = None, size: Any = None) -> Any:
-    """Nearest-neighbour upsampling of NCHW input by an integer factor (or to ``size``).
+    """Nearest-neighbour resizing of NCHW input by an integer factor or to ``size``.
 
-    Nearest keeps every value, so a QuantTensor stays one.
+    Output pixel ``i`` takes input pixel ``floor(i * in / out)``, PyTorch's
+    ``mode="nearest"``. Nearest keeps every value, so a QuantTensor stays one.
     """
     v = value(x)
     _check_nchw(v, "interpolate")
     h, w = v.shape[2:]
     if size is not None:
         th, tw = _pair(size, "size")
-        if th % h or tw % w:
-            out = jax.image.resize(v, (*v.shape[:2], th, tw), "nearest")
-            return _keep(x, out)
-        fh, fw = th // h, tw // w
     elif scale_factor is not None:
         fh, fw = _pair(scale_factor, "scale_factor")
+        th, tw = h * fh, w * fw
     else:
         raise ValueError("interpolate needs scale_factor= or size=")
-    out = jnp.repeat(jnp.repeat(v, fh, axis=2), fw, axis=3)
+    rows = (np.arange(th) * h) // th
+    cols = (np.arange(tw) * w) // tw
+    out = jnp.take(jnp.take(v, jnp.asarray(rows), axis=2), jnp.asarray(cols), axis=3)
     return _keep(x, out)

@@ -205,7 +205,7 @@ class QuantTensor:
             return self.value + _value(other)
         training = self.training or other.training
         if not training and _concrete(self.scale, other.scale):
-            same_scale = np.array_equal(np.asarray(self.scale), np.asarray(other.scale))
+            same_scale = np.allclose(np.asarray(self.scale), np.asarray(other.scale))
             if not same_scale:
                 raise ValueError(
                     f"cannot add QuantTensors with different scales "
