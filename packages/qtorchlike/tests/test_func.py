@@ -159,3 +159,15 @@ def test_functional_call_rejects_unknown_keys():
     layer = qnn.QuantLinear(2, 1)
     with pytest.raises(KeyError, match="'weigth'.*neither parameters nor buffers"):
         functional_call(layer, {"weigth": jnp.ones((1, 2))}, jnp.ones((1, 2)))
+
+
+def test_changing_the_learning_rate_between_jitted_steps_takes_effect():
+    layer = qnn.QuantLinear(2, 1, weight_quant=None)
+    opt = optim.SGD(layer, lr=0.1)
+    step = train_step(layer, lambda m, x: jnp.sum(m(x)), opt)
+    x = jnp.ones((1, 2))
+    step(x)
+    opt.lr = 0.0
+    before = np.asarray(layer.weight)
+    step(x)
+    np.testing.assert_array_equal(np.asarray(layer.weight), before)

@@ -5,8 +5,12 @@ constructor signatures and layouts; :mod:`qtorchlike.quant` the quantizer
 catalogue (classes that compose by inheritance, see :mod:`qtorchlike.inject`);
 :class:`QuantTensor` the quantized values layers pass on;
 :func:`qtorchlike.func.functional_call` and :func:`qtorchlike.func.train_step`
-the bridge to ``jax.jit`` and ``jax.grad``; :mod:`qtorchlike.optim` SGD and Adam.
-Depends on qcore (and jax, numpy) only.
+the bridge to ``jax.jit`` and ``jax.grad``; :mod:`qtorchlike.optim` SGD and Adam;
+:func:`calibration_mode`, :func:`bias_correction_mode` and :func:`disable_quant`
+post-training quantization (:mod:`qtorchlike.modes`); :func:`integer_state_dict`
+and :func:`export_tflite` export (:mod:`qtorchlike.export`; LiteRT through the
+optional qlitert, ``pip install qtorchlike[litert]``). Depends on qcore (and
+jax, numpy) only.
 
 Example:
     >>> import jax.numpy as jnp
@@ -25,7 +29,22 @@ Example:
     ((2, 4, 4, 4), (1, 4, 1, 1))
 """
 
-from qtorchlike import config, core, func, functional, inject, nn, optim, quant, random, solver
+from qtorchlike import (
+    config,
+    core,
+    export,
+    func,
+    functional,
+    inject,
+    modes,
+    nn,
+    optim,
+    quant,
+    random,
+    solver,
+)
+from qtorchlike.export import export_tflite, integer_state_dict
+from qtorchlike.modes import bias_correction_mode, calibration_mode, disable_quant
 from qtorchlike.quant_tensor import QuantTensor
 from qtorchlike.random import manual_seed
 
@@ -34,12 +53,19 @@ __version__ = "0.1.0"
 __all__ = [
     "QuantTensor",
     "__version__",
+    "bias_correction_mode",
+    "calibration_mode",
     "config",
     "core",
+    "disable_quant",
+    "export",
+    "export_tflite",
     "func",
     "functional",
     "inject",
+    "integer_state_dict",
     "manual_seed",
+    "modes",
     "nn",
     "optim",
     "quant",

@@ -123,8 +123,12 @@ class Optimizer(Protocol):
 
     state: Any
 
-    def update(self, grads: Any, state: Any, params: Any) -> tuple[Any, Any]:
+    def apply(self, grads: Any, state: Any, params: Any, hp: Any) -> tuple[Any, Any]:
         """Returns ``(new_params, new_state)``; pure, jit-able."""
+        ...
+
+    def hyperparams_array(self) -> dict[str, jax.Array]:
+        """The current settings as arrays."""
         ...
 
     def sync(self, model: Module) -> None:
@@ -161,7 +165,7 @@ def train_step(
         True
     """
 
-    def pure(params, others, opt_state, rngs, key, *batch):
+    def pure(params, others, opt_state, hp, rngs, key, *batch):
         def loss_of(params):
             updates: dict[str, Any] = {}
             with _swapped(model, {**others, **params}, rngs, updates):
@@ -171,17 +175,23 @@ def train_step(
         (loss, updates), grads = jax.value_and_grad(loss_of, has_aux=True)(params)
         # A parameter the forward pass re-initialised starts from its new value.
         params = {k: updates.get(k, v) for k, v in params.items()}
-        params, opt_state = optimizer.update(grads, opt_state, params)
+        params, opt_state = optimizer.apply(grads, opt_state, params, hp)
         return loss, params, {k: v for k, v in updates.items() if k not in params}, opt_state
 
-    compiled = jax.jit(pure, static_argnums=(4,))
+    compiled = jax.jit(pure, static_argnums=(5,))
 
     def step(*batch: Any, rngs: jax.Array | None = None) -> jax.Array:
         optimizer.sync(model)
         params = trainable(model)
         others = {k: v for k, v in _snapshot(model).items() if k not in params}
         loss, params, buffers, optimizer.state = compiled(
-            params, others, optimizer.state, rngs, static_key(model), *batch
+            params,
+            others,
+            optimizer.state,
+            optimizer.hyperparams_array(),
+            rngs,
+            static_key(model),
+            *batch,
         )
         set_state(model, {**params, **buffers})
         return loss

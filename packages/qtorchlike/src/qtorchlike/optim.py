@@ -62,13 +62,26 @@ class _Optimizer:
         """The initial state for ``params``."""
         raise NotImplementedError
 
+    def hyperparams(self) -> dict[str, float]:
+        """The current settings (``lr``, ...), passed to the compiled update as arrays.
+
+        They are read at every step, so changing e.g. ``opt.lr`` between steps
+        takes effect without recompiling.
+        """
+        return {"lr": self.lr}
+
     def update(self, grads: Any, state: Any, params: Any) -> tuple[Any, Any]:
         """Returns ``(new_params, new_state)``; pure and jitted."""
         if getattr(self, "_compiled", None) is None:
-            self._compiled = jax.jit(self._update)
-        return self._compiled(grads, state, params)
+            self._compiled = jax.jit(self.apply)
+        return self._compiled(grads, state, params, self.hyperparams_array())
 
-    def _update(self, grads: Any, state: Any, params: Any) -> tuple[Any, Any]:
+    def hyperparams_array(self) -> dict[str, jax.Array]:
+        """:meth:`hyperparams` as float32 arrays (traced arguments of compiled steps)."""
+        return {k: jnp.asarray(v, jnp.float32) for k, v in self.hyperparams().items()}
+
+    def apply(self, grads: Any, state: Any, params: Any, hp: Any) -> tuple[Any, Any]:
+        """The pure update: ``(new_params, new_state)`` from gradients and settings ``hp``."""
         raise NotImplementedError
 
     def step(self, grads: Mapping[str, jax.Array]) -> None:
@@ -111,12 +124,15 @@ class SGD(_Optimizer):
     def init(self, params):  # noqa: D102
         return {k: jnp.zeros_like(v) for k, v in params.items()}
 
-    def _update(self, grads, state, params):
+    def hyperparams(self) -> dict[str, float]:  # noqa: D102
+        return {"lr": self.lr, "momentum": self.momentum, "weight_decay": self.weight_decay}
+
+    def apply(self, grads, state, params, hp):  # noqa: D102
         new_params, new_state = {}, {}
         for k, p in params.items():
-            g = grads[k] + self.weight_decay * p
-            buf = self.momentum * state[k] + g if self.momentum else g
-            new_params[k], new_state[k] = p - self.lr * buf, buf
+            g = grads[k] + hp["weight_decay"] * p
+            buf = hp["momentum"] * state[k] + g
+            new_params[k], new_state[k] = p - hp["lr"] * buf, buf
         return new_params, new_state
 
 
@@ -146,16 +162,20 @@ class Adam(_Optimizer):
         zeros = {k: jnp.zeros_like(v) for k, v in params.items()}
         return {"m": zeros, "v": dict(zeros), "t": jnp.zeros((), jnp.int32)}
 
-    def _update(self, grads, state, params):
+    def hyperparams(self) -> dict[str, float]:  # noqa: D102
         b1, b2 = self.betas
+        return {"lr": self.lr, "b1": b1, "b2": b2, "eps": self.eps, "wd": self.weight_decay}
+
+    def apply(self, grads, state, params, hp):  # noqa: D102
+        b1, b2 = hp["b1"], hp["b2"]
         t = state["t"] + 1
         tf = t.astype(jnp.float32)
         m, v, new_params = {}, {}, {}
         for k, p in params.items():
-            g = grads[k] + self.weight_decay * p
+            g = grads[k] + hp["wd"] * p
             m[k] = b1 * state["m"][k] + (1 - b1) * g
             v[k] = b2 * state["v"][k] + (1 - b2) * g * g
             m_hat = m[k] / (1 - b1**tf)
             v_hat = v[k] / (1 - b2**tf)
-            new_params[k] = p - self.lr * m_hat / (jnp.sqrt(v_hat) + self.eps)
+            new_params[k] = p - hp["lr"] * m_hat / (jnp.sqrt(v_hat) + hp["eps"])
         return new_params, {"m": m, "v": v, "t": t}

@@ -61,18 +61,20 @@ def _calibration(spec: QuantSpec) -> Any:
         return _MeanAbs()
     if spec.stats_op is StatsOp.PERCENTILE:
         return qcore.calibration.Percentile(spec.percentile)
-    return "absmax" if spec.signed else "minmax"
+    return "absmax"
 
 
 def _threshold(x: jax.Array, spec: QuantSpec, channelwise=(), tiled=None) -> jax.Array:
-    """The statistic of ``x`` per scale block, through qcore.calibrate (no gradient)."""
-    qtype = spec.qtype if spec.qtype in qcore.qtypes.names() else "int8"
+    """The statistic of ``|x|`` per scale block, through qcore.calibrate (no gradient).
+
+    Statistics are of magnitudes for signed and unsigned quantizers alike, as in
+    Brevitas (``AbsMax``, ``AbsPercentile``, ``AbsAve``).
+    """
     how = qcore.HowToQuantize(
-        qtype=qtype,
+        qtype="int8",  # only the range (lo, hi) is used, not the type's scale
         channelwise_axes=channelwise,
         tiled_axes=tiled or {},
         calibration=_calibration(spec),
-        symmetric=spec.signed or spec.stats_op is not StatsOp.PERCENTILE,
     )
     *_, hi = qcore.calibrate(jax.lax.stop_gradient(x.astype(jnp.float32)), how)
     return hi
@@ -286,7 +288,8 @@ class ActQuantProxy(_Proxy):
             raise ValueError(f"act_quant={spec.name} is a bias quantizer")
         self.calibrating = False
         if spec.scaling in (ScalingImplType.STATS, ScalingImplType.PARAMETER_FROM_STATS):
-            self.register_buffer("running", jnp.zeros((), jnp.float32))
+            # 1 until statistics arrive (scale 1/int_scaling, Brevitas' starting point).
+            self.register_buffer("running", jnp.ones((), jnp.float32))
             self.register_buffer("counter", jnp.zeros((), jnp.int32))
         if spec.scaling in (ScalingImplType.PARAMETER, ScalingImplType.PARAMETER_FROM_STATS):
             init = spec.scaling_value if spec.scaling_value is not None else 1.0
@@ -312,7 +315,7 @@ class ActQuantProxy(_Proxy):
     def start_collection(self) -> None:
         """Starts fresh statistics (used by :func:`qtorchlike.calibration_mode`)."""
         if "running" in self._buffers:
-            self.running = jnp.zeros((), jnp.float32)
+            self.running = jnp.ones((), jnp.float32)
             self.counter = jnp.zeros((), jnp.int32)
 
     def finish_collection(self) -> None:
@@ -335,13 +338,14 @@ class ActQuantProxy(_Proxy):
             learned = self.running
         if spec.scaling is ScalingImplType.PARAMETER:
             return learned
-        batch = None if x is None else _threshold(x, spec).reshape(())
-        if self.calibrating and batch is not None:
+        if self.calibrating and x is not None:
+            batch = _threshold(x, spec).reshape(())
             # Calibration: an exact running mean over every batch, no phase limit.
             self._update_running(batch, None)
             return batch
         if spec.scaling is ScalingImplType.STATS:
-            if self.training and batch is not None:
+            if self.training and x is not None:
+                batch = _threshold(x, spec).reshape(())
                 self._update_running(batch, spec.momentum)
                 return batch
             self._warn_if_empty()
@@ -349,16 +353,30 @@ class ActQuantProxy(_Proxy):
         # PARAMETER_FROM_STATS: batch statistics for the first collect_stats_steps
         # training calls, then the learned value (which takes the running statistic).
         steps = max(spec.collect_stats_steps, 1)
-        if self.training and batch is not None:
-            in_phase = self.counter < steps
-            old_running, old_counter = self.running, self.counter
-            self._update_running(batch, spec.momentum)
-            self.running = jnp.where(in_phase, self.running, old_running)
-            self.counter = jnp.where(in_phase, self.counter, old_counter)
-            handover = in_phase & (self.counter == steps)
-            new_value = jnp.log2(self.running) if log else self.running
-            self.value = jnp.where(handover, new_value, self.value)
-            return jnp.where(in_phase, batch, learned)
+        if self.training and x is not None:
+            # lax.cond, not jnp.where: the percentile (a sort) runs only while collecting.
+            def collect(state):
+                running, counter, value = state
+                batch = _threshold(x, spec).reshape(())
+                n = counter.astype(jnp.float32)
+                if spec.momentum is None:
+                    running = (running * n + batch) / (n + 1)
+                else:
+                    m = spec.momentum
+                    running = jnp.where(counter == 0, batch, (1 - m) * running + m * batch)
+                counter = counter + 1
+                handover = jnp.log2(running) if log else running
+                value = jnp.where(counter == steps, handover, value)
+                return (running, counter, value), batch
+
+            def learn(state):
+                return state, jnp.exp2(state[2]) if log else state[2]
+
+            state = (self.running, self.counter, self.value)
+            (self.running, self.counter, self.value), t = jax.lax.cond(
+                self.counter < steps, collect, learn, state
+            )
+            return t
         self._warn_if_empty()
         return jnp.where(self.counter < steps, self.running, learned)
 

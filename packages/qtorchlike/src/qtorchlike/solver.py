@@ -58,7 +58,7 @@ class ScalingImplType(_StrEnum):
 
 
 class StatsOp(_StrEnum):
-    """The statistic behind a scale: max, mean, or a high percentile of |x| (or x if unsigned)."""
+    """The statistic behind a scale: the max, mean or a high percentile of ``|x|`` (Brevitas')."""
 
     MAX = "max"
     AVE = "ave"

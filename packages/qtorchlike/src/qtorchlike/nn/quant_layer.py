@@ -48,7 +48,8 @@ def split_kwargs(
 
 def _injector(quant: Any, overrides: dict[str, Any], arg: str) -> type | None:
     if quant is None:
-        return inject.ExtendedInjector.let(**overrides) if overrides else None
+        # A quantizer defined inline by prefixed keywords is named after its argument.
+        return type(arg, (inject.ExtendedInjector,), dict(overrides)) if overrides else None
     if isinstance(quant, type) and issubclass(quant, inject.ExtendedInjector):
         return quant.let(**overrides) if overrides else quant
     raise TypeError(

@@ -1,0 +1,389 @@
+"""Export: a model's integer weights and scales, and a full-integer LiteRT (``.tflite``) model.
+
+:func:`integer_state_dict` lists, per quantized layer, what an integer
+implementation needs: weight codes and scales, bias codes, and the scales of the
+activation quantizers, as NumPy arrays.
+
+:func:`export_tflite` converts a model with qlitert (``pip install
+qtorchlike[litert]``): the model's quantized weights and biases become
+constants, its activation quantizers' scales become the scales of the LiteRT
+tensors they quantize, and the tensors LiteRT quantizes where the model does
+not (the input, the output of a layer without ``output_quant``...) are
+calibrated on the example input.
+
+Example:
+    >>> import numpy as np
+    >>> import qtorchlike.nn as qnn
+    >>> from qtorchlike.export import integer_state_dict
+    >>> model = qnn.Sequential(qnn.QuantLinear(3, 2, weight_bit_width=4))
+    >>> sd = integer_state_dict(model)
+    >>> sorted(sd["0"])
+    ['weight_bit_width', 'weight_int', 'weight_scale', 'weight_signed', 'weight_zero_point']
+    >>> w = sd["0"]["weight_int"] * sd["0"]["weight_scale"]
+    >>> bool(np.array_equal(w, np.asarray(model[0].quant_weight().value)))
+    True
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from qtorchlike.func import functional_call
+from qtorchlike.modes import _check_model, _proxies, _Switches
+from qtorchlike.nn.module import Module, set_state
+from qtorchlike.nn.quant_layer import QuantWBIOL
+from qtorchlike.proxy import ActQuantProxy, _to_scale
+from qtorchlike.quant_tensor import QuantTensor
+from qtorchlike.solver import QuantType
+
+__all__ = ["export_tflite", "integer_state_dict"]
+
+# The named scope that marks an activation quantizer's output for export_tflite.
+_SITE = "qtorchlike_act:"
+
+
+def _prefixed(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+def _act_scale(proxy: ActQuantProxy) -> jax.Array:
+    """The evaluation-mode scale of an activation quantizer (no statistics update)."""
+    return _to_scale(jnp.asarray(proxy.threshold(None), jnp.float32), proxy.spec).reshape(())
+
+
+def _capture_biases(model: Module, args: tuple) -> dict[str, QuantTensor]:
+    """The quantized bias each layer uses, from one evaluation-mode forward pass.
+
+    A bias quantizer may take its scale from the layer's input at run time, so the
+    values are recorded from the bias quantizers' outputs.
+    """
+    layers = {
+        id(m): n
+        for n, m in model.named_modules()
+        if isinstance(m, QuantWBIOL)
+        and m.bias is not None
+        and m.bias_quant is not None
+        and m.bias_quant.enabled
+    }
+    if not layers:
+        return {}
+    stack: list[str] = []
+    found: dict[str, QuantTensor] = {}
+
+    def enter(layer: Module, _args: tuple) -> None:
+        stack.append(layers[id(layer)])
+
+    def leave(layer: Module, _args: tuple, _out: Any) -> None:
+        stack.pop()
+
+    def record(proxy: Module, _args: tuple, out: Any) -> None:
+        if stack and isinstance(out, QuantTensor):
+            name = stack[-1]
+            if name in found and not np.array_equal(np.asarray(found[name].value), out.value):
+                warnings.warn(
+                    f"layer {name!r} is called with inputs of different scales, so its "
+                    "quantized bias differs between calls; the first call's is exported",
+                    stacklevel=2,
+                )
+            found.setdefault(name, out)
+
+    handles = []
+    for m in model.modules():
+        if id(m) in layers:
+            handles += [m.register_forward_pre_hook(enter), m.register_forward_hook(leave)]
+            handles.append(m.bias_quant.register_forward_hook(record))
+    switches = _Switches(model)
+    try:
+        model.eval()
+        for p in _proxies(model):
+            if isinstance(p, ActQuantProxy):
+                p.calibrating = False
+        model(*args)
+    finally:
+        for h in handles:
+            h.remove()
+        switches.restore()
+    return found
+
+
+def _codes(q: QuantTensor, what: str) -> np.ndarray:
+    try:
+        return np.asarray(q.int())
+    except ValueError as e:
+        raise ValueError(f"integer_state_dict: {what} has no integer codes: {e}") from e
+
+
+def integer_state_dict(model: Module, example_input: Any = None) -> dict[str, dict[str, Any]]:
+    """Integer codes and quantization parameters of every quantized layer.
+
+    For each module with an enabled quantizer (keyed by its dotted name, ``""``
+    for the model itself), with evaluation-mode values:
+
+    * ``weight_int`` (the codes, :meth:`QuantTensor.int`), ``weight_scale``,
+      ``weight_zero_point``, ``weight_bit_width``, ``weight_signed``;
+    * with a bias quantizer and a bias: ``bias_int``, ``bias_scale``,
+      ``bias_zero_point``, ``bias_bit_width``, ``bias_signed``;
+    * for each activation quantizer (``input_quant``, ``output_quant``,
+      ``act_quant``): ``input_scale``, ``input_zero_point``, ``input_bit_width``,
+      ``input_signed`` (``output_...``, ``act_...``).
+
+    ``weight_int * weight_scale`` (after subtracting the zero point) is the
+    weight the layer computes with. Arrays are NumPy; bit widths are ints and
+    signedness bools.
+
+    Args:
+        model: The module.
+        example_input: An input for one evaluation-mode forward pass, needed when
+            a bias quantizer takes its scale from the layer's input (``Int32Bias``)
+            and the layer has no ``input_quant``: the input's scale is then only
+            known at run time.
+
+    Returns:
+        ``{layer name: {field: value}}``.
+
+    Raises:
+        TypeError: If ``model`` is not a :class:`qtorchlike.nn.Module`.
+        ValueError: If a bias needs the input's scale and neither the layer's
+            ``input_quant`` nor ``example_input`` gives it, or if a weight or bias
+            quantizer has no integer codes (e.g. fp8).
+    """
+    _check_model(model, "integer_state_dict")
+    captured = _capture_biases(model, (example_input,)) if example_input is not None else {}
+    out: dict[str, dict[str, Any]] = {}
+    for name, m in model.named_modules():
+        entry: dict[str, Any] = {}
+        if isinstance(m, QuantWBIOL):
+            wq = m.quant_weight()
+            if isinstance(wq, QuantTensor):
+                entry |= _fields("weight", wq, _codes(wq, f"layer {name!r}'s weight"))
+            bq = _bias(name, m, wq, captured)
+            if bq is not None:
+                entry |= _fields("bias", bq, _codes(bq, f"layer {name!r}'s bias"))
+        for child, proxy in m.named_children():
+            if isinstance(proxy, ActQuantProxy) and proxy.enabled:
+                key = child.removesuffix("_quant")
+                spec = proxy.spec
+                entry[f"{key}_scale"] = np.asarray(_act_scale(proxy))
+                entry[f"{key}_zero_point"] = np.zeros((), np.float32)
+                entry[f"{key}_bit_width"] = int(spec.bit_width)
+                entry[f"{key}_signed"] = spec.signed
+        if entry:
+            out[name] = entry
+    return out
+
+
+def _fields(key: str, q: QuantTensor, codes: np.ndarray) -> dict[str, Any]:
+    return {
+        f"{key}_int": codes,
+        f"{key}_scale": np.asarray(q.scale),
+        f"{key}_zero_point": np.asarray(q.zero_point),
+        f"{key}_bit_width": int(q.bit_width),
+        f"{key}_signed": q.signed,
+    }
+
+
+def _bias(
+    name: str, layer: QuantWBIOL, wq: Any, captured: dict[str, QuantTensor]
+) -> QuantTensor | None:
+    """The layer's quantized bias (None without a bias or an enabled bias quantizer)."""
+    bias, proxy = layer.bias, layer.bias_quant
+    if bias is None or proxy is None or not proxy.enabled:
+        return None
+    if name in captured:
+        return captured[name]
+    w_scale = wq.scale if isinstance(wq, QuantTensor) else None
+    in_scale = None
+    if layer.input_quant is not None and layer.input_quant.enabled:
+        in_scale = _act_scale(layer.input_quant)
+    if proxy.spec.requires_input_scale and (in_scale is None or w_scale is None):
+        raise ValueError(
+            f"integer_state_dict: layer {name!r} has bias_quant={proxy.spec.name}, whose scale "
+            "is the input's scale x the weight's scale, but the layer has no input_quant, so "
+            "the input's scale is only known at run time; pass example_input=<a batch> to "
+            "record it from one forward pass"
+        )
+    out = proxy(bias, in_scale, w_scale)
+    return out if isinstance(out, QuantTensor) else None
+
+
+def _import_qlitert() -> Any:
+    try:
+        import qlitert  # noqa: PLC0415 - optional dependency
+    except ImportError as e:
+        raise ImportError(
+            "export_tflite needs qlitert (LiteRT export); install it with "
+            "`pip install qtorchlike[litert]`"
+        ) from e
+    return qlitert
+
+
+def _site_range(name: str, proxy: ActQuantProxy) -> tuple[float, float]:
+    """The range LiteRT's int8 tensor gets so that its grid is the quantizer's.
+
+    LiteRT's int8 activations are asymmetric with ``scale = (hi - lo) / 255``: a
+    signed 8-bit quantizer with scale ``s`` is ``[-128 s, 127 s]`` (zero point 0),
+    an unsigned one ``[0, 255 s]`` (zero point -128). Other types have no exact
+    int8 equivalent: their clipping range is kept, on the int8 grid.
+    """
+    spec = proxy.spec
+    s = float(_act_scale(proxy))
+    if spec.quant_type is QuantType.INT and spec.bit_width == 8:
+        return (-128 * s, 127 * s) if spec.signed else (0.0, 255 * s)
+    if spec.quant_type is QuantType.INT:
+        b = spec.bit_width
+        lo = -(2 ** (b - 1)) + int(spec.narrow_range) if spec.signed else 0
+        hi = 2 ** (b - 1) - 1 if spec.signed else 2**b - 1
+    else:
+        lo, hi = -spec.int_scaling, spec.int_scaling
+    warnings.warn(
+        f"export_tflite: activation quantizer {name!r} ({spec.name}, {spec.bit_width}-bit "
+        f"{spec.quant_type.value}) has no int8 equivalent in LiteRT; it is exported as int8 "
+        f"over its range [{lo * s:g}, {hi * s:g}]",
+        stacklevel=3,
+    )
+    return lo * s, hi * s
+
+
+def _mark(name: str) -> Any:
+    """A forward hook naming the quantizer's output as a LiteRT quantization site.
+
+    A one-operand concatenation makes qlitert place a quantization site at this
+    tensor, under a named scope that identifies the quantizer; the converter
+    folds the concatenation away, so no op is added to the ``.tflite``.
+    """
+
+    def hook(proxy: Module, args: tuple, out: Any) -> Any:
+        x = out.value if isinstance(out, QuantTensor) else out
+        if jnp.ndim(x) == 0:
+            return x
+        with jax.named_scope(_SITE + name):
+            return lax.concatenate_p.bind(jnp.asarray(x), dimension=0)
+
+    return hook
+
+
+def _site_name(key: str) -> str | None:
+    """The quantizer a qlitert site belongs to (``key`` is ``n:label@name/stack``)."""
+    stack = key.partition("@")[2]
+    for part in stack.split("/"):
+        if part.startswith(_SITE):
+            return part[len(_SITE) :]
+    return None
+
+
+def export_tflite(
+    model: Module,
+    example_input: Any,
+    *,
+    path: str | os.PathLike[str] | None = None,
+    validate: bool = True,
+) -> bytes:
+    """Converts ``model`` to a full-integer LiteRT model (int8 kernels) with qlitert.
+
+    The model runs in evaluation mode as a pure JAX function of its input, its
+    state closed over: weights and biases enter as their quantized values
+    (LiteRT stores weights per output channel, so a per-tensor weight scale is
+    re-expressed per channel, an extra rounding on a grid at least as fine), and
+    each enabled activation quantizer's scale becomes the scale of the int8
+    tensor it quantizes (8-bit quantizers export exactly: a uint8 quantizer is
+    int8 with zero point -128). Tensors the model does not quantize but LiteRT
+    must (the input, a layer's output without ``output_quant``) are calibrated
+    by :func:`qlitert.calibrate` on ``example_input``. The model is exported at
+    the example's (static) shape and, with ``validate``, checked by qlitert:
+    integer kernels only, outputs within one step of the JAX function.
+
+    The model's modes, switches and state are as before afterwards, also when the
+    export fails; ``path`` is written (atomically) only after a successful export.
+
+    Args:
+        model: The module, calibrated (see :func:`qtorchlike.calibration_mode`).
+        example_input: One input batch (float32), e.g. ``(1, 1, 28, 28)``.
+        path: Where to save the ``.tflite`` (optional).
+        validate: Check the converted model (qlitert's validation).
+
+    Returns:
+        The ``.tflite`` flatbuffer.
+
+    Raises:
+        ImportError: If qlitert is not installed (``pip install qtorchlike[litert]``).
+        TypeError: If ``model`` is not a :class:`qtorchlike.nn.Module`.
+        FileNotFoundError: If ``path``'s directory does not exist.
+        qlitert.ExportError: If conversion or validation fails.
+
+    Example:
+        >>> import numpy as np, pytest
+        >>> qlitert = pytest.importorskip("qlitert")
+        >>> import qtorchlike.nn as qnn
+        >>> from qtorchlike.export import export_tflite
+        >>> from qtorchlike.modes import calibration_mode
+        >>> model = qnn.Sequential(qnn.QuantLinear(4, 8), qnn.QuantReLU(), qnn.QuantLinear(8, 2))
+        >>> x = np.random.default_rng(0).normal(size=(16, 4)).astype(np.float32)
+        >>> with calibration_mode(model):
+        ...     _ = model(x)
+        >>> tflite = export_tflite(model, x)
+        >>> qlitert.inspect(tflite).op_names()
+        ['QUANTIZE', 'FULLY_CONNECTED', 'FULLY_CONNECTED', 'DEQUANTIZE']
+        >>> y = qlitert.LiteRTModel(tflite)(x)
+        >>> bool(np.allclose(y, model.eval()(x), atol=0.1))
+        True
+    """
+    _check_model(model, "export_tflite")
+    qlitert = _import_qlitert()
+    if path is not None and not Path(path).absolute().parent.is_dir():
+        raise FileNotFoundError(
+            f"export_tflite(path={str(path)!r}): the directory "
+            f"{str(Path(path).absolute().parent)!r} does not exist"
+        )
+    example = np.asarray(example_input)
+    if np.issubdtype(example.dtype, np.floating):
+        example = example.astype(np.float32)
+    switches = _Switches(model)
+    before = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    handles = []
+    try:
+        model.eval()
+        for p in _proxies(model):
+            if isinstance(p, ActQuantProxy):
+                p.calibrating = False
+        consts: dict[str, Any] = {}
+        for name, layer in model.named_modules():
+            if isinstance(layer, QuantWBIOL):
+                wq = layer.quant_weight()
+                if isinstance(wq, QuantTensor):
+                    consts[_prefixed(name, "weight")] = wq.value
+        for name, bq in _capture_biases(model, (example,)).items():
+            consts[_prefixed(name, "bias")] = bq.value
+        ranges = {}
+        for name, proxy in model.named_modules():
+            if isinstance(proxy, ActQuantProxy) and proxy.enabled:
+                ranges[name] = _site_range(name, proxy)
+                handles.append(proxy.register_forward_hook(_mark(name)))
+        for p in _proxies(model):
+            p.enabled = False
+        switches.plain_outputs()
+
+        def fn(x: jax.Array) -> Any:
+            return functional_call(model, consts, x)[0]
+
+        calibration = qlitert.calibrate(fn, [example])
+        for key in calibration.ranges:
+            site = _site_name(key)
+            if site in ranges:
+                calibration.ranges[key] = list(ranges[site])
+        tflite = qlitert.export(qlitert.annotate(fn, calibration), example, validate=validate)
+    finally:
+        for h in handles:
+            h.remove()
+        switches.restore()
+        set_state(model, before)
+    if path is not None:
+        qlitert.save(path, tflite)
+    return tflite
