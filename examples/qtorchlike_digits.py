@@ -16,13 +16,17 @@ with ``qtorchlike`` in place of ``brevitas`` and ``torch``:
    step: forward, gradients, optimizer update, running statistics written back) on shuffled
    minibatches, printing one line per epoch.
 4. Switches to ``model.eval()`` and reports the test accuracy of the quantized model, plus
-   each layer's integer weight codes and activation scales. Nothing is written to disk.
+   each layer's integer weight codes and activation scales.
+5. With ``--tflite PATH`` (needs qlitert: ``pip install qtorchlike[litert]``), exports the
+   trained model to a full-integer ``.tflite`` with ``qtorchlike.export_tflite`` and reports
+   the test accuracy of the LiteRT interpreter on it. Otherwise nothing is written to disk.
 
 Run it from the repository root (needs qcore, qtorchlike and scikit-learn)::
 
     python examples/qtorchlike_digits.py                        # int8 weights, 10 epochs
     python examples/qtorchlike_digits.py --weight-bit-width 4
     python examples/qtorchlike_digits.py --quick                # 3 epochs
+    python examples/qtorchlike_digits.py --tflite digits.tflite # + LiteRT export
 
 ``train()`` is what ``packages/qtorchlike/tests/test_digits.py`` runs.
 """
@@ -31,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import os
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -217,6 +222,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--quick", action="store_true", help=f"train for {QUICK_EPOCHS} epochs only"
     )
     parser.add_argument("--seed", type=int, default=0, help="seed (default: %(default)s)")
+    parser.add_argument(
+        "--tflite",
+        metavar="PATH",
+        default=None,
+        help="also export the trained model to this full-integer .tflite (needs qlitert) "
+        "and report its accuracy in the LiteRT interpreter",
+    )
     args = parser.parse_args(argv)
     if args.epochs is None:
         args.epochs = QUICK_EPOCHS if args.quick else DEFAULT_EPOCHS
@@ -235,10 +247,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     start = time.perf_counter()
     model, acc = train(args.weight_bit_width, args.epochs, args.seed, verbose=True)
     print(describe(model))
-    print(
-        f"QAT test accuracy, model.eval(): {acc:.2%} ({time.perf_counter() - start:.1f} s in total)"
-    )
+    print(f"QAT test accuracy, model.eval(): {acc:.2%} ({time.perf_counter() - start:.1f} s)")
+    if args.tflite is not None:
+        litert_acc = export(model, args.tflite)
+        size = os.path.getsize(args.tflite)
+        print(f"LiteRT int8 model: {args.tflite} ({size} bytes), test accuracy {litert_acc:.2%}")
     return 0
+
+
+def export(model: qnn.Sequential, path: str) -> float:
+    """Exports ``model`` to a full-integer ``.tflite`` at ``path``; returns its test accuracy.
+
+    The model is exported at the test set's batch shape and validated by qlitert
+    (integer kernels only, outputs within one quantization step of the model's).
+    """
+    import qlitert  # noqa: PLC0415 - only this option needs it
+
+    _, _, x_test, y_test = load_data()
+    tflite = qtorchlike.export_tflite(model, x_test, path=path)
+    logits = qlitert.LiteRTModel(tflite)(x_test)
+    return float(np.mean(np.argmax(logits, axis=1) == y_test))
 
 
 if __name__ == "__main__":

@@ -34,13 +34,14 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import extend as jex
 from jax import lax
 
 from qtorchlike.func import functional_call
 from qtorchlike.modes import _check_model, _proxies, _Switches
 from qtorchlike.nn.module import Module, set_state
 from qtorchlike.nn.quant_layer import QuantWBIOL
-from qtorchlike.proxy import ActQuantProxy, _to_scale
+from qtorchlike.proxy import ActQuantProxy, WeightQuantProxy, _to_scale
 from qtorchlike.quant_tensor import QuantTensor
 from qtorchlike.solver import QuantType
 
@@ -114,6 +115,13 @@ def _capture_biases(model: Module, args: tuple) -> dict[str, QuantTensor]:
     return found
 
 
+def _quant_weighted(m: Module) -> bool:
+    """Whether ``m`` quantizes a weight with its own proxy (layers, embeddings)."""
+    return isinstance(m._modules.get("weight_quant"), WeightQuantProxy) and callable(
+        getattr(m, "quant_weight", None)
+    )
+
+
 def _codes(q: QuantTensor, what: str) -> np.ndarray:
     try:
         return np.asarray(q.int())
@@ -125,7 +133,8 @@ def integer_state_dict(model: Module, example_input: Any = None) -> dict[str, di
     """Integer codes and quantization parameters of every quantized layer.
 
     For each module with an enabled quantizer (keyed by its dotted name, ``""``
-    for the model itself), with evaluation-mode values:
+    for the model itself; layers with weights, embeddings, activations), with
+    evaluation-mode values:
 
     * ``weight_int`` (the codes, :meth:`QuantTensor.int`), ``weight_scale``,
       ``weight_zero_point``, ``weight_bit_width``, ``weight_signed``;
@@ -160,11 +169,12 @@ def integer_state_dict(model: Module, example_input: Any = None) -> dict[str, di
     out: dict[str, dict[str, Any]] = {}
     for name, m in model.named_modules():
         entry: dict[str, Any] = {}
-        if isinstance(m, QuantWBIOL):
+        if _quant_weighted(m):
             wq = m.quant_weight()
             if isinstance(wq, QuantTensor):
                 entry |= _fields("weight", wq, _codes(wq, f"layer {name!r}'s weight"))
-            bq = _bias(name, m, wq, captured)
+        if isinstance(m, QuantWBIOL):
+            bq = _bias(name, m, m.quant_weight(), captured)
             if bq is not None:
                 entry |= _fields("bias", bq, _codes(bq, f"layer {name!r}'s bias"))
         for child, proxy in m.named_children():
@@ -252,31 +262,104 @@ def _site_range(name: str, proxy: ActQuantProxy) -> tuple[float, float]:
     return lo * s, hi * s
 
 
-def _mark(name: str) -> Any:
-    """A forward hook naming the quantizer's output as a LiteRT quantization site.
+# Ops whose output keeps its input's LiteRT scale (qlitert's list, which it extends).
+_PRESERVING = {
+    "reshape", "transpose", "squeeze", "expand_dims", "slice", "dynamic_slice",
+    "reduce_window_max", "copy", "copy_p", "broadcast_in_dim", "pad", "gather",
+    "convert_element_type",
+}  # fmt: skip
 
-    A one-operand concatenation makes qlitert place a quantization site at this
-    tensor, under a named scope that identifies the quantizer; the converter
-    folds the concatenation away, so no op is added to the ``.tflite``.
+
+class _Sites:
+    """Marks activation quantizers' outputs as LiteRT quantization sites.
+
+    Each call of an enabled activation quantizer gets a forward hook that wraps
+    its output in a one-operand concatenation under a named scope
+    ``qtorchlike_act:<name>#<call>``: qlitert places a quantization site there
+    (whose range :func:`export_tflite` then sets from the quantizer's scale), and
+    the converter folds the concatenation away, so no op is added.
+
+    A LiteRT tensor has one scale, and the converter cannot requantize between
+    two int8 grids without a float round trip. So a quantizer whose input comes
+    straight from another quantizer (through reshapes, pooling... only) is not
+    marked: the tensor keeps the first quantizer's scale (:meth:`find_requantizing`).
     """
 
-    def hook(proxy: Module, args: tuple, out: Any) -> Any:
-        x = out.value if isinstance(out, QuantTensor) else out
-        if jnp.ndim(x) == 0:
-            return x
-        with jax.named_scope(_SITE + name):
-            return lax.concatenate_p.bind(jnp.asarray(x), dimension=0)
+    def __init__(self) -> None:
+        self.ranges: dict[str, tuple[float, float]] = {}
+        self.skip: set[str] = set()
+        self.calls: dict[str, int] = {}
 
-    return hook
+    def hook(self, name: str) -> Any:
+        def mark(proxy: Module, args: tuple, out: Any) -> Any:
+            x = out.value if isinstance(out, QuantTensor) else out
+            call = self.calls.get(name, 0)
+            self.calls[name] = call + 1
+            site = f"{name}#{call}"
+            if jnp.ndim(x) == 0 or site in self.skip:
+                return x
+            with jax.named_scope(_SITE + site):
+                return lax.concatenate_p.bind(jnp.asarray(x), dimension=0)
+
+        return mark
+
+    def find_requantizing(self, fn: Any, example: np.ndarray) -> None:
+        """Adds to :attr:`skip` the marks whose input is another mark's output."""
+        closed = jax.make_jaxpr(fn)(example)
+        producer = {v: eqn for eqn in closed.jaxpr.eqns for v in eqn.outvars}
+        for eqn in closed.jaxpr.eqns:
+            site = _mark_of(eqn)
+            if site is None:
+                continue
+            v = eqn.invars[0]
+            while isinstance(v, jex.core.Var) and v in producer:
+                source = producer[v]
+                if _mark_of(source) is not None:
+                    self.skip.add(site)
+                    break
+                if source.primitive.name not in _PRESERVING:
+                    break
+                v = source.invars[0]
+
+    def override(self, ranges: dict[str, list[float]]) -> dict[str, list[float]]:
+        """Calibrated ranges (one batch) with each mark's range set from its quantizer.
+
+        qlitert puts a site of its own on the output of a computing op (an add, a
+        concatenation, the model input...), so a mark on such a tensor follows a
+        site on the same tensor. Both get the quantizer's range, which makes the
+        two roundings one (the converter merges them into one as well). That
+        site is the one just before the mark, with the same observed range.
+        """
+        order = sorted(ranges, key=lambda k: int(k.partition(":")[0]))
+        out = {k: list(v) for k, v in ranges.items()}
+        for i, key in enumerate(order):
+            site = _site_name(key.partition("@")[2])
+            if site is None:
+                continue
+            site_range = list(self.ranges[site.rpartition("#")[0]])
+            out[key] = site_range
+            prev = order[i - 1] if i else None
+            if (
+                prev is not None
+                and _site_name(prev.partition("@")[2]) is None
+                and ranges[prev] == ranges[key]
+            ):
+                out[prev] = site_range
+        return out
 
 
-def _site_name(key: str) -> str | None:
-    """The quantizer a qlitert site belongs to (``key`` is ``n:label@name/stack``)."""
-    stack = key.partition("@")[2]
-    for part in stack.split("/"):
+def _site_name(stack: Any) -> str | None:
+    """The ``name#call`` of a mark from a name stack."""
+    for part in str(stack).split("/"):
         if part.startswith(_SITE):
             return part[len(_SITE) :]
     return None
+
+
+def _mark_of(eqn: Any) -> str | None:
+    if eqn.primitive is not lax.concatenate_p or len(eqn.invars) != 1:
+        return None
+    return _site_name(eqn.source_info.name_stack)
 
 
 def export_tflite(
@@ -294,9 +377,14 @@ def export_tflite(
     re-expressed per channel, an extra rounding on a grid at least as fine), and
     each enabled activation quantizer's scale becomes the scale of the int8
     tensor it quantizes (8-bit quantizers export exactly: a uint8 quantizer is
-    int8 with zero point -128). Tensors the model does not quantize but LiteRT
-    must (the input, a layer's output without ``output_quant``) are calibrated
-    by :func:`qlitert.calibrate` on ``example_input``. The model is exported at
+    int8 with zero point -128; other bit widths keep their range on the int8
+    grid, with a warning). Tensors the model does not quantize but LiteRT must
+    (the input, a layer's output without ``output_quant``) are calibrated by
+    :func:`qlitert.calibrate` on ``example_input``. A LiteRT tensor has one
+    scale, so a quantizer whose input another quantizer already quantized (a
+    layer's ``input_quant`` right after a ``QuantReLU``, through reshapes or
+    pooling only) is left out: the tensor keeps the first quantizer's scale, a
+    difference of at most half a step of the one left out. The model is exported at
     the example's (static) shape and, with ``validate``, checked by qlitert:
     integer kernels only, outputs within one step of the JAX function.
 
@@ -314,26 +402,20 @@ def export_tflite(
 
     Raises:
         ImportError: If qlitert is not installed (``pip install qtorchlike[litert]``).
-        TypeError: If ``model`` is not a :class:`qtorchlike.nn.Module`.
+        TypeError: If ``model`` is not a :class:`qtorchlike.nn.Module`, or
+            ``example_input`` is not a numeric array with at least one dimension.
         FileNotFoundError: If ``path``'s directory does not exist.
         qlitert.ExportError: If conversion or validation fails.
 
     Example:
-        >>> import numpy as np, pytest
-        >>> qlitert = pytest.importorskip("qlitert")
-        >>> import qtorchlike.nn as qnn
-        >>> from qtorchlike.export import export_tflite
-        >>> from qtorchlike.modes import calibration_mode
-        >>> model = qnn.Sequential(qnn.QuantLinear(4, 8), qnn.QuantReLU(), qnn.QuantLinear(8, 2))
-        >>> x = np.random.default_rng(0).normal(size=(16, 4)).astype(np.float32)
-        >>> with calibration_mode(model):
-        ...     _ = model(x)
-        >>> tflite = export_tflite(model, x)
-        >>> qlitert.inspect(tflite).op_names()
-        ['QUANTIZE', 'FULLY_CONNECTED', 'FULLY_CONNECTED', 'DEQUANTIZE']
-        >>> y = qlitert.LiteRTModel(tflite)(x)
-        >>> bool(np.allclose(y, model.eval()(x), atol=0.1))
-        True
+        The executed version of this example is in the docs ("Coming from
+        Brevitas", export); it needs qlitert, which qtorchlike does not::
+
+            model = qnn.Sequential(qnn.QuantLinear(4, 8), qnn.QuantReLU(), qnn.QuantLinear(8, 2))
+            with calibration_mode(model):
+                model(x)
+            tflite = export_tflite(model, x, path="model.tflite")
+            y = qlitert.LiteRTModel(tflite)(x)  # within one step of model.eval()(x)
     """
     _check_model(model, "export_tflite")
     qlitert = _import_qlitert()
@@ -343,6 +425,14 @@ def export_tflite(
             f"{str(Path(path).absolute().parent)!r} does not exist"
         )
     example = np.asarray(example_input)
+    if example.ndim == 0 or not (
+        np.issubdtype(example.dtype, np.number) or example.dtype == np.bool_
+    ):
+        raise TypeError(
+            f"export_tflite(example_input={type(example_input).__name__} of dtype "
+            f"{example.dtype}, shape {example.shape}): give one input batch as an array "
+            "(e.g. float32 of shape (1, 1, 28, 28)); the model is exported at its shape"
+        )
     if np.issubdtype(example.dtype, np.floating):
         example = example.astype(np.float32)
     switches = _Switches(model)
@@ -355,29 +445,34 @@ def export_tflite(
                 p.calibrating = False
         consts: dict[str, Any] = {}
         for name, layer in model.named_modules():
-            if isinstance(layer, QuantWBIOL):
+            if _quant_weighted(layer):
                 wq = layer.quant_weight()
                 if isinstance(wq, QuantTensor):
                     consts[_prefixed(name, "weight")] = wq.value
         for name, bq in _capture_biases(model, (example,)).items():
             consts[_prefixed(name, "bias")] = bq.value
-        ranges = {}
+        sites = _Sites()
         for name, proxy in model.named_modules():
             if isinstance(proxy, ActQuantProxy) and proxy.enabled:
-                ranges[name] = _site_range(name, proxy)
-                handles.append(proxy.register_forward_hook(_mark(name)))
+                sites.ranges[name] = _site_range(name, proxy)
+                handles.append(proxy.register_forward_hook(sites.hook(name)))
         for p in _proxies(model):
             p.enabled = False
         switches.plain_outputs()
 
-        def fn(x: jax.Array) -> Any:
-            return functional_call(model, consts, x)[0]
+        def pure() -> Any:
+            # A new function object each time: JAX caches traces per function, and
+            # the marks depend on sites.skip.
+            def fn(x: jax.Array) -> Any:
+                sites.calls.clear()
+                return functional_call(model, consts, x)[0]
 
+            return fn
+
+        sites.find_requantizing(pure(), example)
+        fn = pure()
         calibration = qlitert.calibrate(fn, [example])
-        for key in calibration.ranges:
-            site = _site_name(key)
-            if site in ranges:
-                calibration.ranges[key] = list(ranges[site])
+        calibration.ranges = sites.override(calibration.ranges)
         tflite = qlitert.export(qlitert.annotate(fn, calibration), example, validate=validate)
     finally:
         for h in handles:

@@ -302,14 +302,21 @@ class _BiasCorrection:
                     )
                 self.seen.add(name)
             assert isinstance(layer, QuantWBIOL)
-            quant = out.value if isinstance(out, QuantTensor) else jnp.asarray(out)
-            ref = _float_forward(layer, args)
+            # Both without the output quantizer: the error of the computation itself.
+            quant = _rerun(layer, args, (layer.output_quant,))
+            ref = _rerun(
+                layer,
+                args,
+                (layer.weight_quant, layer.bias_quant, layer.input_quant, layer.output_quant),
+            )
             axis = layer._out_channel_dim % quant.ndim
             others = tuple(a for a in range(quant.ndim) if a != axis)
             err = jnp.mean((ref - quant).astype(jnp.float32), axis=others)
             self.sums[name] = self.sums[name] + err if name in self.sums else err
             self.counts[name] = self.counts.get(name, 0) + 1
-            return ref
+            # A QuantTensor keeps its metadata: a later layer may take its bias scale
+            # from it (Int32Bias without input_quant).
+            return out._like(ref) if isinstance(out, QuantTensor) else ref
 
         return correct
 
@@ -325,15 +332,13 @@ class _BiasCorrection:
                 layer.bias = Parameter(correction.astype(layer.weight.dtype))
 
 
-def _float_forward(layer: QuantWBIOL, args: tuple) -> jax.Array:
-    """The layer's output with all four of its quantizers off (its float computation)."""
-    proxies = [
-        p
-        for p in (layer.weight_quant, layer.bias_quant, layer.input_quant, layer.output_quant)
-        if p is not None
-    ]
+def _rerun(layer: QuantWBIOL, args: tuple, off: tuple[Any, ...]) -> jax.Array:
+    """The layer's output (as an array) with the quantizers in ``off`` switched off."""
+    proxies = [p for p in off if p is not None]
     enabled = [p.enabled for p in proxies]
     rqt = layer.return_quant_tensor
+    # A training-mode input quantizer would count these calls as statistics steps.
+    state = {**dict(layer.named_parameters()), **dict(layer.named_buffers())}
     try:
         for p in proxies:
             p.enabled = False
@@ -343,6 +348,7 @@ def _float_forward(layer: QuantWBIOL, args: tuple) -> jax.Array:
         for p, e in zip(proxies, enabled, strict=True):
             p.enabled = e
         layer.return_quant_tensor = rqt
+        set_state(layer, state)
     return out.value if isinstance(out, QuantTensor) else jnp.asarray(out)
 
 
@@ -352,14 +358,16 @@ def bias_correction_mode(model: Module, skip_if_no_bias: bool = False) -> Iterat
 
     Inside the block, each quantized layer with a weight
     (:class:`~qtorchlike.nn.QuantLinear`, :class:`~qtorchlike.nn.QuantConv2d`...)
-    computes its output twice: as configured (output quantizers are off) and with
-    all of its quantizers off. It accumulates the per-output-channel mean of
-    ``float - quantized`` (channels on axis 1 for convolutions, the last axis for
-    linear layers; the mean runs over every other axis, then over the batches)
-    and passes the *float* output on, so the errors of earlier layers do not
-    pile up in later ones. When the block ends normally the mean is added to each
-    layer's bias; a layer without a bias gets one (unless ``skip_if_no_bias``).
-    On an exception no bias changes. Every switch is restored either way.
+    computes its output again twice, both without its output quantizer: with its
+    other quantizers as configured, and with all of them off. It accumulates the
+    per-output-channel mean of ``float - quantized`` (channels on axis 1 for
+    convolutions, the last axis for linear layers; the mean runs over every
+    other axis, then over the batches) and passes the *float* output on (as a
+    QuantTensor with the quantized output's metadata when the layer returns
+    QuantTensors), so the errors of earlier layers do not pile up in later ones.
+    When the block ends normally the mean is added to each layer's bias; a layer
+    without a bias gets one (unless ``skip_if_no_bias``). On an exception no bias
+    changes. Every switch is restored either way.
 
     Run it eagerly (the sums are kept in Python), typically in eval mode after
     :func:`calibration_mode`.
@@ -369,7 +377,8 @@ def bias_correction_mode(model: Module, skip_if_no_bias: bool = False) -> Iterat
         skip_if_no_bias: Leave layers without a bias alone instead of adding one.
 
     Raises:
-        TypeError: If ``model`` is not a :class:`qtorchlike.nn.Module`.
+        TypeError: If ``model`` is not a :class:`qtorchlike.nn.Module`, or
+            ``skip_if_no_bias`` is not a bool.
         RuntimeError: Inside the block, if a layer is called twice in one forward
             pass of ``model`` or the model runs under a JAX transformation.
 
@@ -390,12 +399,12 @@ def bias_correction_mode(model: Module, skip_if_no_bias: bool = False) -> Iterat
         ((4,), True, True)
     """
     _check_model(model, "bias_correction_mode")
+    if not isinstance(skip_if_no_bias, bool):
+        raise TypeError(
+            f"bias_correction_mode(skip_if_no_bias={skip_if_no_bias!r}): must be True or False"
+        )
     switches = _Switches(model)
     state = _BiasCorrection(model)
-    for _, layer in state.layers:
-        if layer.output_quant is not None:
-            layer.output_quant.enabled = False
-    switches.plain_outputs()
     handles = [layer.register_forward_hook(state.hook(name)) for name, layer in state.layers]
     handles.append(model.register_forward_pre_hook(state.start_pass))
     handles.append(model.register_forward_hook(state.end_pass))
