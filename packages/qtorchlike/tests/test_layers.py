@@ -174,6 +174,24 @@ def test_conv_transpose_argument_errors():
         layer(jnp.ones((1, 3, 4, 4)))
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"stride": 0}, r"stride=0: every entry must be >= 1"),
+        ({"kernel_size": (3, 0)}, r"kernel_size=\(3, 0\): every entry must be >= 1"),
+        ({"padding": -1}, r"padding=-1: every entry must be >= 0"),
+        ({"dilation": 1.5}, r"dilation=1.5 must be an int or a tuple of 2 ints"),
+        ({"groups": 0}, r"groups=0 must be a positive int"),
+        ({"in_channels": True}, r"in_channels=True must be a positive int"),
+        ({"groups": 3}, r"groups=3 must divide in_channels=4 and out_channels=6"),
+    ],
+)
+def test_conv2d_argument_errors(kwargs, match):
+    args = {"in_channels": 4, "out_channels": 6, "kernel_size": 3} | kwargs
+    with pytest.raises(ValueError, match=match):
+        qnn.QuantConv2d(**args)
+
+
 # -- QuantEltwiseAdd, QuantCat --------------------------------------------------------------
 
 

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 from jax import lax
 
 import qcore
@@ -18,11 +18,30 @@ from qtorchlike.quant import Int8WeightPerTensorFloat
 from qtorchlike.quant_tensor import QuantTensor
 
 
-def _tuple(v: int | Sequence[int], n: int, name: str) -> tuple[int, ...]:
-    out = (int(v),) * n if isinstance(v, int) else tuple(int(i) for i in v)
-    if len(out) != n or any(i < 0 for i in out):
-        raise ValueError(f"{name}={v!r} must be a non-negative int or {n} of them")
+def ints(v: Any, n: int, name: str, minimum: int) -> tuple[int, ...]:
+    """A PyTorch size argument (an int or ``n`` ints, each ``>= minimum``) as a tuple."""
+    out: tuple = ()
+    if isinstance(v, int) and not isinstance(v, bool):
+        out = (v,) * n
+    elif isinstance(v, Sequence) and not isinstance(v, str):
+        out = tuple(v)
+    if len(out) != n or any(isinstance(i, bool) or not isinstance(i, int) for i in out):
+        raise ValueError(f"{name}={v!r} must be an int or a tuple of {n} ints")
+    if any(i < minimum for i in out):
+        raise ValueError(f"{name}={v!r}: every entry must be >= {minimum}")
     return out
+
+
+def check_channels(in_channels: Any, out_channels: Any, groups: Any) -> None:
+    """Channel counts and groups are positive ints, and groups divides both counts."""
+    named = {"in_channels": in_channels, "out_channels": out_channels, "groups": groups}
+    for name, v in named.items():
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name}={v!r} must be a positive int")
+    if in_channels % groups or out_channels % groups:
+        raise ValueError(
+            f"groups={groups} must divide in_channels={in_channels} and out_channels={out_channels}"
+        )
 
 
 def conv_padding(padding: Any, n: int) -> str | list[tuple[int, int]]:
@@ -31,7 +50,7 @@ def conv_padding(padding: Any, n: int) -> str | list[tuple[int, int]]:
         if padding.lower() not in ("same", "valid"):
             raise ValueError(f"padding={padding!r}; allowed: an int, a tuple, 'same', 'valid'")
         return padding.upper()
-    return [(p, p) for p in _tuple(padding, n, "padding")]
+    return [(p, p) for p in ints(padding, n, "padding", 0)]
 
 
 class _QuantConvNd(QuantWBIOL):
@@ -59,19 +78,15 @@ class _QuantConvNd(QuantWBIOL):
     ) -> None:
         super().__init__()
         n = self._dims
-        if in_channels % groups or out_channels % groups:
-            raise ValueError(
-                f"groups={groups} must divide in_channels={in_channels} and "
-                f"out_channels={out_channels}"
-            )
+        check_channels(in_channels, out_channels, groups)
         self.in_channels, self.out_channels, self.groups = in_channels, out_channels, groups
-        self.kernel_size = _tuple(kernel_size, n, "kernel_size")
-        self.stride = _tuple(stride, n, "stride")
-        self.dilation = _tuple(dilation, n, "dilation")
+        self.kernel_size = ints(kernel_size, n, "kernel_size", 1)
+        self.stride = ints(stride, n, "stride", 1)
+        self.dilation = ints(dilation, n, "dilation", 1)
         self.padding = padding
         self._padding = conv_padding(padding, n)
         shape = (out_channels, in_channels // groups, *self.kernel_size)
-        fan = shape[1] * int(jnp.prod(jnp.array(self.kernel_size)))
+        fan = shape[1] * math.prod(self.kernel_size)
         kw, kb = jax.random.split(random.next_key() if key is None else key)
         self.weight = Parameter(kaiming_uniform(kw, shape, fan))
         if bias:

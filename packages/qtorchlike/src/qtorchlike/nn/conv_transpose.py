@@ -17,24 +17,12 @@ import jax.numpy as jnp
 from jax import lax
 
 from qtorchlike import random
+from qtorchlike.nn.conv import check_channels, ints
 from qtorchlike.nn.linear import kaiming_uniform
 from qtorchlike.nn.module import Parameter
 from qtorchlike.nn.quant_layer import QuantWBIOL, acc_bit_width
 from qtorchlike.quant import Int8WeightPerTensorFloat
 from qtorchlike.quant_tensor import QuantTensor
-
-
-def _ints(v: Any, n: int, name: str, minimum: int) -> tuple[int, ...]:
-    out: tuple = ()
-    if isinstance(v, int) and not isinstance(v, bool):
-        out = (v,) * n
-    elif isinstance(v, Sequence) and not isinstance(v, str):
-        out = tuple(v)
-    if len(out) != n or any(isinstance(i, bool) or not isinstance(i, int) for i in out):
-        raise ValueError(f"{name}={v!r} must be an int or a tuple of {n} ints")
-    if any(i < minimum for i in out):
-        raise ValueError(f"{name}={v!r}: every entry must be >= {minimum}")
-    return out
 
 
 class QuantConvTranspose2d(QuantWBIOL):
@@ -103,22 +91,13 @@ class QuantConvTranspose2d(QuantWBIOL):
     ) -> None:
         super().__init__()
         n = self._dims
-        for name, v in (("in_channels", in_channels), ("out_channels", out_channels)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name}={v!r} must be a positive int")
-        if isinstance(groups, bool) or not isinstance(groups, int) or groups < 1:
-            raise ValueError(f"groups={groups!r} must be a positive int")
-        if in_channels % groups or out_channels % groups:
-            raise ValueError(
-                f"groups={groups} must divide in_channels={in_channels} and "
-                f"out_channels={out_channels}"
-            )
+        check_channels(in_channels, out_channels, groups)
         self.in_channels, self.out_channels, self.groups = in_channels, out_channels, groups
-        self.kernel_size = _ints(kernel_size, n, "kernel_size", 1)
-        self.stride = _ints(stride, n, "stride", 1)
-        self.padding = _ints(padding, n, "padding", 0)
-        self.output_padding = _ints(output_padding, n, "output_padding", 0)
-        self.dilation = _ints(dilation, n, "dilation", 1)
+        self.kernel_size = ints(kernel_size, n, "kernel_size", 1)
+        self.stride = ints(stride, n, "stride", 1)
+        self.padding = ints(padding, n, "padding", 0)
+        self.output_padding = ints(output_padding, n, "output_padding", 0)
+        self.dilation = ints(dilation, n, "dilation", 1)
         for op, s, d in zip(self.output_padding, self.stride, self.dilation, strict=True):
             if op >= s and op >= d:
                 raise ValueError(
