@@ -10,9 +10,7 @@ import jax
 from jax import lax
 
 import qcore
-from qtorchlike import random
-from qtorchlike.nn.linear import kaiming_uniform, qarray_of
-from qtorchlike.nn.module import Parameter
+from qtorchlike.nn.linear import qarray_of
 from qtorchlike.nn.quant_layer import QuantWBIOL, spec_of
 from qtorchlike.quant import Int8WeightPerTensorFloat
 from qtorchlike.quant_tensor import QuantTensor
@@ -87,12 +85,7 @@ class _QuantConvNd(QuantWBIOL):
         self._padding = conv_padding(padding, n)
         shape = (out_channels, in_channels // groups, *self.kernel_size)
         fan = shape[1] * math.prod(self.kernel_size)
-        kw, kb = jax.random.split(random.next_key() if key is None else key)
-        self.weight = Parameter(kaiming_uniform(kw, shape, fan))
-        if bias:
-            self.bias = Parameter(kaiming_uniform(kb, (out_channels,), fan))
-        else:
-            self.register_parameter("bias", None)
+        self._init_params(shape, fan, out_channels, bias, key)
         self._init_quant(
             weight_quant, bias_quant, input_quant, output_quant, return_quant_tensor, kwargs
         )

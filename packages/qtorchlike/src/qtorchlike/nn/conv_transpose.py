@@ -16,10 +16,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from qtorchlike import random
 from qtorchlike.nn.conv import check_channels, ints
-from qtorchlike.nn.linear import kaiming_uniform
-from qtorchlike.nn.module import Parameter
 from qtorchlike.nn.quant_layer import QuantWBIOL, acc_bit_width
 from qtorchlike.quant import Int8WeightPerTensorFloat
 from qtorchlike.quant_tensor import QuantTensor
@@ -106,12 +103,7 @@ class QuantConvTranspose2d(QuantWBIOL):
                 )
         shape = (in_channels, out_channels // groups, *self.kernel_size)
         fan = shape[1] * math.prod(self.kernel_size)  # PyTorch's fan-in for this layout
-        kw, kb = jax.random.split(random.next_key() if key is None else key)
-        self.weight = Parameter(kaiming_uniform(kw, shape, fan))
-        if bias:
-            self.bias = Parameter(kaiming_uniform(kb, (out_channels,), fan))
-        else:
-            self.register_parameter("bias", None)
+        self._init_params(shape, fan, out_channels, bias, key)
         self._init_quant(
             weight_quant, bias_quant, input_quant, output_quant, return_quant_tensor, kwargs
         )

@@ -2,24 +2,15 @@
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 import qcore
-from qtorchlike import random
-from qtorchlike.nn.module import Parameter
 from qtorchlike.nn.quant_layer import QuantWBIOL, spec_of
 from qtorchlike.quant import Int8WeightPerTensorFloat
 from qtorchlike.quant_tensor import QuantTensor
-
-
-def kaiming_uniform(key: jax.Array, shape: tuple[int, ...], fan_in: int) -> jax.Array:
-    """PyTorch's default layer initialisation: ``U(-1/sqrt(fan_in), 1/sqrt(fan_in))``."""
-    bound = 1.0 / math.sqrt(fan_in) if fan_in > 0 else 0.0
-    return jax.random.uniform(key, shape, jnp.float32, -bound, bound)
 
 
 def qarray_of(q: QuantTensor, qtype: str, ndim: int) -> qcore.QArray:
@@ -76,12 +67,7 @@ class QuantLinear(QuantWBIOL):
     ) -> None:
         super().__init__()
         self.in_features, self.out_features = int(in_features), int(out_features)
-        kw, kb = jax.random.split(random.next_key() if key is None else key)
-        self.weight = Parameter(kaiming_uniform(kw, (out_features, in_features), in_features))
-        if bias:
-            self.bias = Parameter(kaiming_uniform(kb, (out_features,), in_features))
-        else:
-            self.register_parameter("bias", None)
+        self._init_params((out_features, in_features), in_features, out_features, bias, key)
         self._init_quant(
             weight_quant, bias_quant, input_quant, output_quant, return_quant_tensor, kwargs
         )

@@ -14,13 +14,20 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 
-from qtorchlike import inject
-from qtorchlike.nn.module import Module
+from qtorchlike import inject, random
+from qtorchlike.nn.module import Module, Parameter
 from qtorchlike.proxy import ActQuantProxy, BiasQuantProxy, WeightQuantProxy, _Proxy, is_quant
 from qtorchlike.quant_tensor import QuantTensor
 from qtorchlike.solver import QuantSpec
+
+
+def kaiming_uniform(key: jax.Array, shape: tuple[int, ...], fan_in: int) -> jax.Array:
+    """PyTorch's default layer initialisation: ``U(-1/sqrt(fan_in), 1/sqrt(fan_in))``."""
+    bound = 1.0 / math.sqrt(fan_in) if fan_in > 0 else 0.0
+    return jax.random.uniform(key, shape, jnp.float32, -bound, bound)
 
 
 def split_kwargs(
@@ -151,6 +158,17 @@ class QuantWBIOL(Module):
     _channel_axis = 0
     _input_axis = 1
     _out_channel_dim = 1  # where output channels sit in the output (1: NC...)
+
+    def _init_params(
+        self, shape: tuple[int, ...], fan_in: int, n_out: int, bias: bool, key: jax.Array | None
+    ) -> None:
+        """PyTorch's initial ``weight`` of ``shape`` and, with ``bias``, ``n_out`` biases."""
+        kw, kb = jax.random.split(random.next_key() if key is None else key)
+        self.weight = Parameter(kaiming_uniform(kw, shape, fan_in))
+        if bias:
+            self.bias = Parameter(kaiming_uniform(kb, (n_out,), fan_in))
+        else:
+            self.register_parameter("bias", None)
 
     def _init_quant(
         self,
