@@ -1,0 +1,243 @@
+"""AWQ: activation-aware per-input-channel weight scaling, folded into the previous op.
+
+AWQ (Lin et al., 2023, "AWQ: Activation-aware Weight Quantization") protects the
+weight rows that meet large activations: with ``s`` one positive scale per input
+channel, ``x W = (x / s) (s W)``, and quantizing ``s W`` instead of ``W`` gives the
+rows of large ``s`` a finer relative grid. The scale is ``s = mean|x|^alpha``
+(normalised so ``max(s) min(s) = 1``) with ``alpha`` picked from a grid to minimise
+the layer's output error on the calibration data,
+``E ||x (W - Q(s W) / s)||^2 = tr(D^T H D)`` with ``H = E[x^T x]`` (so one
+Hessian collection serves every candidate; ``alpha = 0`` is plain RTN, so the
+chosen scale never does worse than RTN on the calibration data).
+
+Where ``1/s`` goes: **folded into a previous model parameter** that scales the
+input channels linearly (a LayerNorm/RMSNorm ``scale`` and ``bias``, the previous
+Dense's kernel columns and bias), named per weight in ``fold_into``: its last axis
+is divided by ``s``. The result is then an ordinary float model plus ordinary PTQ
+params (:class:`~qflax.QuantizedParam` with the recipe
+:class:`~qflax.PtqProvider` creates), served by the plain PTQ model and its
+integer path, with no extra op. Weights that share a fold target (e.g. the q, k
+and v projections after one LayerNorm) share one ``s``. Selected weights without
+a fold target are quantized with plain RTN.
+
+Example:
+    >>> import flax.linen as nn, jax, jax.numpy as jnp
+    >>> import qflax
+    >>> from qflax.awq import awq
+    >>> class Block(nn.Module):
+    ...     @nn.compact
+    ...     def __call__(self, x):
+    ...         g = self.param("g", nn.initializers.ones, (x.shape[-1],))
+    ...         return nn.Dense(8, name="dense")(x * g[None])
+    >>> outliers = jnp.ones(16).at[:2].set(30.0)
+    >>> batches = [
+    ...     jax.random.normal(jax.random.key(i), (64, 16)) * outliers[None] for i in range(4)
+    ... ]
+    >>> model = Block()
+    >>> params = model.init(jax.random.key(0), batches[0])["params"]
+    >>> rules = [qflax.QuantizationRule(weight_qtype="int4")]
+    >>> q = awq(model, params, rules, batches, fold_into={"dense/kernel": "g"}, progress=False)
+    >>> q["dense"]["kernel"], q["g"].shape
+    (QuantizedParam(int4, shape=(16, 8), compute shape=(16, 8), packed), (16,))
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx, traverse_util
+
+import qcore
+from qflax.calibration import LayerStats, collect, progress
+from qflax.context import box_leaves
+from qflax.qparam import QuantizedParam, to_compute_layout
+from qflax.rule import QuantizationRule
+
+
+def awq(
+    model: nn.Module | nnx.Module,
+    params: Any,
+    rules: Sequence[QuantizationRule],
+    calibration_batches: Iterable[Any] | None,
+    *,
+    fold_into: Mapping[str, str | Sequence[str]],
+    grid: int = 20,
+    method: str = "__call__",
+    stats: dict[str, LayerStats] | None = None,
+    progress: bool = True,
+) -> dict:
+    """Quantizes the selected weights with AWQ scales folded into ``fold_into`` params.
+
+    Args:
+        model: A Linen module (unbound) or an NNX module (not modified).
+        params: Linen: the float ``params`` collection. NNX: None.
+        rules: The rules of the PTQ model that will serve the result.
+        calibration_batches: Model inputs (see :func:`qflax.calibration.collect`);
+            may be None when ``stats`` is given.
+        fold_into: ``{weight param path: param path(s)}``: the params whose last
+            axis (one entry per input channel of the weight) is divided by ``s``.
+            They must act linearly and only on this input (a norm's scale and
+            bias, the previous Dense's kernel and bias).
+        grid: Number of ``alpha`` values tried in ``[0, 1)``.
+        method: The model method the batches are inputs of.
+        stats: Statistics from :func:`~qflax.calibration.collect` (with the Hessian).
+        progress: Show progress over batches and layers.
+
+    Returns:
+        A new nested dict of params (like :func:`qflax.gptq.gptq`'s): AWQ-quantized
+        weights as :class:`~qflax.QuantizedParam`, folded params divided by ``s``,
+        everything else unchanged. Inputs are never modified.
+
+    Raises:
+        ValueError: No calibration data, unknown or misshaped ``fold_into``
+            entries, a fold target that is itself quantized, or rules the
+            collection cannot handle.
+    """
+    if not (isinstance(grid, int) and grid > 0):
+        raise ValueError(f"grid={grid!r} must be a positive int")
+    if stats is None:
+        if calibration_batches is None:
+            raise ValueError("no calibration data: pass calibration_batches (or stats)")
+        stats = collect(model, params, rules, calibration_batches, method=method, progress=progress)
+    tree = (
+        nnx.to_pure_dict(nnx.state(model, nnx.Param)) if isinstance(model, nnx.Module) else params
+    )
+    flat = traverse_util.flatten_dict(
+        _plain(tree), is_leaf=lambda _, x: isinstance(x, nn.meta.AxisMetadata)
+    )
+    keys = {"/".join(str(k) for k in key): key for key in flat}
+    targets = {w: (t,) if isinstance(t, str) else tuple(t) for w, t in fold_into.items()}
+    for w, ts in targets.items():
+        if w not in stats:
+            raise ValueError(
+                f"fold_into[{w!r}]: no quantized weight of that path (quantized: {list(stats)})"
+            )
+        for t in ts:
+            if t not in keys:
+                raise ValueError(f"fold_into[{w!r}]: {t!r} is not a param of the model")
+            if t in stats:
+                raise ValueError(
+                    f"fold_into[{w!r}]: {t!r} is quantized by the rules; fold into a float "
+                    "param (quantizing the previous layer after folding is not supported)"
+                )
+            k = int(np.shape(_value(flat[keys[t]]))[-1])
+            if k != _k(stats[w]):
+                raise ValueError(
+                    f"fold_into[{w!r}]: {t!r} has {k} entries on its last axis, the weight "
+                    f"has {_k(stats[w])} input channels"
+                )
+    groups: dict[tuple[str, ...], list[str]] = {}
+    for w in stats:
+        groups.setdefault(tuple(sorted(targets.get(w, ()))), []).append(w)
+    owner: dict[str, tuple[str, ...]] = {}
+    for ts in groups:
+        for t in ts:
+            if owner.setdefault(t, ts) != ts:
+                raise ValueError(
+                    f"fold_into: {t!r} is a fold target of weights with different target sets "
+                    f"({owner[t]} and {ts}); weights sharing an input must list the same targets"
+                )
+    out = dict(flat)
+    for ts, members in progress_over(groups, progress):
+        weights = [(_weight(flat[keys[w]], stats[w]), stats[w]) for w in members]
+        if ts:
+            s = search_scale(weights, grid)
+            for t in ts:
+                raw: Any = flat[keys[t]]
+                value = jnp.asarray(_value(raw))
+                scale = _along(s, value.ndim, value.ndim - 1).astype(value.dtype)
+                new = (value / scale).astype(value.dtype)
+                out[keys[t]] = raw.replace_boxed(new) if _boxed(raw) else new
+        else:
+            s = None
+        for w, (wc, layer) in zip(members, weights, strict=True):
+            qa = _quantize_scaled(wc, layer, s)
+            qp = QuantizedParam(qa, layer.recipe)
+            raw_w: Any = flat[keys[w]]
+            out[keys[w]] = box_leaves(raw_w, qp) if _boxed(raw_w) else qp
+    return traverse_util.unflatten_dict(out)
+
+
+def search_scale(weights: Sequence[tuple[jax.Array, LayerStats]], grid: int = 20) -> jax.Array:
+    """The AWQ input-channel scale ``s`` of weights sharing one input.
+
+    Args:
+        weights: ``(compute-layout float weight, its LayerStats)`` pairs.
+        grid: ``alpha`` values ``0, 1/grid, ..., (grid-1)/grid`` are tried.
+
+    Returns:
+        ``s`` (``(K,)`` float32) minimising the summed output error ``tr(D^T H D)``.
+    """
+    mean = sum(layer.abs_sum for _, layer in weights) / sum(
+        jnp.maximum(layer.count, 1).astype(jnp.float32) for _, layer in weights
+    )
+    mean = jnp.maximum(mean, 1e-8)
+    best, best_s = None, None
+    for i in range(grid):
+        s = mean ** (i / grid)
+        s = s / jnp.sqrt(jnp.max(s) * jnp.min(s))
+        loss = sum(_output_error(w, layer, s) for w, layer in weights)
+        loss = float(loss)
+        if best is None or loss < best:
+            best, best_s = loss, s
+    assert best_s is not None
+    return best_s
+
+
+def _output_error(w: jax.Array, layer: LayerStats, s: jax.Array) -> jax.Array:
+    q = qcore.dequantize(_quantize_scaled(w, layer, s), jnp.float32)
+    axis = layer.site.axis
+    d = jnp.moveaxis(w.astype(jnp.float32) - q / _along(s, w.ndim, axis), axis, 0)
+    d = d.reshape(d.shape[0], -1)
+    h = layer.mean_hessian()
+    return jnp.sum(d * jnp.matmul(h, d, precision=jax.lax.Precision.HIGHEST))
+
+
+def _quantize_scaled(w: jax.Array, layer: LayerStats, s: jax.Array | None) -> qcore.QArray:
+    if s is not None:
+        w = (w.astype(jnp.float32) * _along(s, w.ndim, layer.site.axis)).astype(w.dtype)
+    return qcore.quantize(w, layer.recipe.spec)
+
+
+def _along(s: jax.Array, ndim: int, axis: int) -> jax.Array:
+    shape = [1] * ndim
+    shape[axis] = s.shape[0]
+    return s.reshape(shape)
+
+
+def _k(layer: LayerStats) -> int:
+    return int(layer.abs_sum.shape[0])
+
+
+def _boxed(raw: Any) -> bool:
+    return isinstance(raw, nn.meta.AxisMetadata)
+
+
+def _value(raw: Any) -> Any:
+    return nn.meta.unbox(raw) if _boxed(raw) else raw
+
+
+def _weight(raw: Any, layer: LayerStats) -> jax.Array:
+    value = jnp.asarray(_value(raw))
+    if tuple(value.shape) != layer.recipe.shape:
+        raise ValueError(
+            f"param {layer.site.path!r} has shape {tuple(value.shape)}, but its op uses one "
+            f"layer of shape {layer.recipe.shape}; stacked weights are not supported"
+        )
+    return to_compute_layout(value, layer.recipe)
+
+
+def _plain(tree: Any) -> Any:
+    if hasattr(tree, "items") and not _boxed(tree):
+        return {k: _plain(v) for k, v in tree.items()}
+    return tree
+
+
+def progress_over(groups: dict[tuple[str, ...], list[str]], enabled: bool) -> Any:
+    """``groups.items()`` with a progress display over weight groups."""
+    return progress(list(groups.items()), "AWQ layers", enabled)

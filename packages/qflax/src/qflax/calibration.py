@@ -1,0 +1,372 @@
+"""Calibration data collection: input statistics of the weights the rules quantize.
+
+Calibration-based PTQ algorithms (:func:`qflax.gptq.gptq`, AWQ, SmoothQuant) need,
+for each quantized weight, statistics of the activations it is multiplied with.
+:func:`collect` runs the *float* model on calibration batches through the same
+interception and :class:`~qflax.context.CallContext` machinery as the providers,
+and accumulates per weight param path (a :class:`LayerStats`):
+
+* ``hessian``: ``sum x^T x`` over every row ``x`` of the activation, with the
+  contracting axis last (float32, ``(K, K)``); GPTQ's Hessian is ``hessian /
+  count``.
+* ``abs_sum`` and ``abs_max``: per input channel, the sum and the max of ``|x|``
+  (``abs_sum / count`` is the mean ``|x|`` that AWQ and SmoothQuant use).
+* ``count``: the number of rows seen.
+
+Each weight also records its :class:`~qflax.qparam.Recipe`, exactly the one that
+:class:`~qflax.PtqProvider` would create for the same rules, so an algorithm can
+produce :class:`~qflax.QuantizedParam` objects that the plain PTQ model loads.
+
+Each batch runs through one ``jax.jit``-compiled step that returns the updated
+statistics (traced again only for a new batch shape, and once after the first
+batch, whose statistics start empty); nothing is written into the model or its
+params.
+
+Supported ops: those whose weight operand is a model parameter contracted over
+exactly one axis with no batch axes (``nn.Dense``, ``nn.DenseGeneral`` with one
+input axis, ``nn.Einsum`` like ``"btd,dnh->btnh"``, ``x @ w``). Ops the rules
+select whose operands are both activations (e.g. attention's ``q @ k``) have no
+weight to calibrate and are skipped, as :class:`~qflax.PtqProvider` leaves their
+weights alone; convolutions and ``ragged_dot`` raise.
+
+Example:
+    >>> import flax.linen as nn, jax, jax.numpy as jnp
+    >>> import qflax
+    >>> from qflax.calibration import collect
+    >>> model = nn.Dense(3)
+    >>> params = model.init(jax.random.key(0), jnp.ones((1, 4)))["params"]
+    >>> batches = [jnp.ones((2, 4)), 2 * jnp.ones((5, 4))]
+    >>> rules = [qflax.QuantizationRule(weight_qtype="int8")]
+    >>> stats = collect(model, params, rules, batches, progress=False)
+    >>> s = stats["kernel"]
+    >>> int(s.count), s.hessian.shape, float(s.hessian[0, 0])  # 2 * 1 + 5 * 4
+    (7, (4, 4), 22.0)
+    >>> s.recipe.spec.channelwise_axes
+    (1,)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from qflax import interception, module_path
+from qflax.context import CallContext, Mode
+from qflax.opcall import OpCall, bind
+from qflax.provider import Weight, _check_tiles, _weight_recipe
+from qflax.qparam import QuantizedParam, Recipe
+from qflax.rule import QuantizationRule, RuleMatcher
+
+SUPPORTED_OPS = ("dot_general", "einsum", "dot", "matmul")
+
+
+@dataclasses.dataclass(frozen=True)
+class Site:
+    """Where a quantized weight is used (static, found while tracing).
+
+    Attributes:
+        path: The weight param's ``/``-joined path.
+        recipe: The recipe :class:`~qflax.PtqProvider` gives it.
+        axis: Its contracting axis in the compute layout (the recipe's layout).
+        ops: ``module path: op name`` of every op that uses it.
+    """
+
+    path: str
+    recipe: Recipe
+    axis: int
+    ops: tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerStats:
+    """Accumulated input statistics of one quantized weight (see the module doc).
+
+    Attributes:
+        site: The weight's :class:`Site`.
+        count: Rows (input vectors) seen.
+        hessian: ``sum x^T x``, ``(K, K)`` float32, or None if not collected.
+        abs_sum: ``sum |x|`` per input channel, ``(K,)``.
+        abs_max: ``max |x|`` per input channel, ``(K,)``.
+    """
+
+    site: Site
+    count: jax.Array
+    hessian: jax.Array | None
+    abs_sum: jax.Array
+    abs_max: jax.Array
+
+    @property
+    def recipe(self) -> Recipe:
+        """The weight's PTQ recipe."""
+        return self.site.recipe
+
+    def mean_hessian(self) -> jax.Array:
+        """``hessian / count`` (raises if the Hessian was not collected)."""
+        if self.hessian is None:
+            raise ValueError(f"{self.site.path!r}: the Hessian was not collected")
+        return self.hessian / jnp.maximum(self.count, 1).astype(jnp.float32)
+
+    def abs_mean(self) -> jax.Array:
+        """Mean ``|x|`` per input channel."""
+        return self.abs_sum / jnp.maximum(self.count, 1).astype(jnp.float32)
+
+
+def collect(
+    model: nn.Module | nnx.Module,
+    params: Any,
+    rules: Sequence[QuantizationRule],
+    batches: Iterable[Any],
+    *,
+    hessian: bool = True,
+    method: str = "__call__",
+    jit: bool = True,
+    progress: bool = True,
+) -> dict[str, LayerStats]:
+    """Runs the float model on calibration batches and accumulates input statistics.
+
+    Args:
+        model: A Linen module (unbound) or an NNX module (left unchanged, except
+            that its modules are labelled with their paths, as
+            :func:`~qflax.quantize_model` does).
+        params: Linen: the float ``params`` collection (boxed or not). NNX: None
+            (the model's own params are used).
+        rules: The rules that the PTQ model will use; their weight-quantized ops
+            are the ones observed (rules without ``weight_qtype`` are ignored).
+        batches: An iterable of model inputs; a tuple is passed as positional
+            arguments, anything else as the single argument. May be a generator.
+        hessian: Also accumulate ``sum x^T x`` (GPTQ); off for AWQ/SmoothQuant.
+        method: The model method to call.
+        jit: Compile each batch's step with ``jax.jit``.
+        progress: Show progress over batches (tqdm if installed, else stderr).
+
+    Returns:
+        ``{weight param path: LayerStats}`` in the order the ops were called.
+
+    Raises:
+        ValueError: No batches; rules that select no weight; a rule selecting an
+            op that is not a matmul (conv, ragged_dot); a weight with batch axes or
+            more than one contracting axis; a weight that two ops use in
+            different layouts or specs; already-quantized params.
+    """
+    matcher = RuleMatcher(rules)
+    if isinstance(model, nn.Module):
+        flavor = "linen"
+        if params is None:
+            raise ValueError("a Linen model needs its float params: collect(model, params, ...)")
+        _check_float_params(params)
+        variables = {"params": params}
+
+        def call(variables: Any, args: tuple) -> Any:
+            return model.apply(variables, *args, method=method)
+
+    elif isinstance(model, nnx.Module):
+        flavor = "nnx"
+        if params is not None:
+            raise ValueError(
+                "an NNX model carries its own params: pass params=None (got "
+                f"{type(params).__name__})"
+            )
+        module_path.label_nnx(model)
+        graphdef, variables = nnx.split(model)
+        _check_float_params(nnx.to_pure_dict(variables))
+
+        def call(variables: Any, args: tuple) -> Any:
+            return getattr(nnx.merge(graphdef, variables), method)(*args)
+
+    else:
+        raise ValueError(f"model={type(model).__name__} is neither a flax.linen nor an nnx.Module")
+
+    sites: dict[str, Site] = {}
+
+    def step(variables: Any, acc: dict[str, dict[str, jax.Array]], args: tuple) -> dict:
+        ctx = CallContext(flavor, Mode.APPLY)
+        found: dict[str, dict[str, jax.Array]] = {}
+        handler = _handler(ctx, matcher, sites, found, hessian)
+        with interception.intercept(handler, values=ctx):
+            call(variables, args)
+        return _add(acc, found)
+
+    run = jax.jit(step) if jit else step
+    acc: dict[str, dict[str, jax.Array]] = {}
+    n = 0
+    for batch in _progress(batches, "calibration batches", progress):
+        args = batch if isinstance(batch, tuple) else (batch,)
+        acc = run(variables, acc, args)
+        n += 1
+    if n == 0:
+        raise ValueError("no calibration data: `batches` is empty (pass at least one batch)")
+    if not acc:
+        raise ValueError(
+            "the rules select no weight: no op with a model parameter operand matched a rule "
+            "with weight_qtype (check the module paths, e.g. 'layers/0/mlp/Dense_0')"
+        )
+    return {
+        path: LayerStats(
+            site=sites[path],
+            count=s["count"],
+            hessian=s.get("hessian"),
+            abs_sum=s["abs_sum"],
+            abs_max=s["abs_max"],
+        )
+        for path, s in acc.items()
+    }
+
+
+def _check_float_params(params: Any) -> None:
+    leaves = jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, QuantizedParam))
+    if any(isinstance(x, QuantizedParam) for x in leaves):
+        raise ValueError("params are already quantized; calibration needs the float params")
+
+
+def _add(acc: dict, found: dict) -> dict:
+    out = dict(acc)
+    for path, s in found.items():
+        old = out.get(path)
+        if old is None:
+            out[path] = s
+            continue
+        merged = {k: v + s[k] for k, v in old.items() if k != "abs_max"}
+        merged["abs_max"] = jnp.maximum(old["abs_max"], s["abs_max"])
+        out[path] = merged
+    return out
+
+
+def _handler(
+    ctx: CallContext,
+    matcher: RuleMatcher,
+    sites: dict[str, Site],
+    found: dict[str, dict[str, jax.Array]],
+    hessian: bool,
+) -> Callable[[str, Callable[..., Any], tuple, dict], Any]:
+    def handle(name: str, original: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        out = original(*args, **kwargs)
+        where = ctx.calling_module()
+        if where is None:
+            return out
+        _, path = where
+        rule = matcher.match(path, name)
+        if rule is None or rule.weight_qtype is None:
+            return out
+        if name not in SUPPORTED_OPS:
+            raise ValueError(
+                f"module {path!r}: a rule selects {name}, which calibration-based PTQ does not "
+                f"handle (supported: {', '.join(SUPPORTED_OPS)}); exclude it with a rule "
+                "without weight_qtype placed before this one, or narrow the module_path"
+            )
+        call = bind(name, original, args, kwargs)
+        if call is None:
+            return out
+        sources = [ctx.source(x) for x in call.operands]
+        if all(s is None for s in sources):
+            return out  # no weight operand (e.g. attention's q @ k): nothing to calibrate
+        if all(s is not None for s in sources):
+            raise ValueError(
+                f"module {path!r}: both operands of {name} are model parameters "
+                f"({sources[0].path!r}, {sources[1].path!r}); calibration needs an activation"  # type: ignore[union-attr]
+            )
+        i = 0 if sources[0] is not None else 1
+        source = sources[i]
+        assert source is not None
+        weight, act = call.operands[i], call.operands[1 - i]
+        axis = _contracting_axis(call, i, f"module {path!r}: {name} weight {source.path!r}")
+        spec = rule.weight_spec(weight.ndim, call.contracting[i])
+        assert spec is not None
+        _check_tiles(spec, weight.shape, source.path)
+        recipe = _weight_recipe(Weight(spec, source), weight)
+        op = f"{path}: {name}"
+        known = sites.get(source.path)
+        if known is None:
+            sites[source.path] = Site(source.path, recipe, axis, (op,))
+        elif (known.recipe, known.axis) != (recipe, axis):
+            raise ValueError(
+                f"param {source.path!r} is used by two ops in different layouts or specs "
+                f"({known.ops[0]}: {known.recipe.spec}, layout {known.recipe.transforms}, "
+                f"contracting axis {known.axis}; {op}: {recipe.spec}, layout "
+                f"{recipe.transforms}, contracting axis {axis}); give them rules that agree"
+            )
+        elif op not in known.ops:
+            sites[source.path] = dataclasses.replace(known, ops=(*known.ops, op))
+        x = _rows(act, call.contracting[1 - i])
+        new = _batch_stats(x, hessian)
+        found.update(_add(found, {source.path: new}))
+        return out
+
+    return handle
+
+
+def _contracting_axis(call: OpCall, i: int, what: str) -> int:
+    for j in (i, 1 - i):
+        if len(call.contracting[j]) != 1:
+            side = "the weight" if j == i else "its activation"
+            raise ValueError(
+                f"{what}: {side} is contracted over {len(call.contracting[j])} axes "
+                f"{call.contracting[j]}; calibration-based PTQ handles ops with exactly one "
+                "contracting axis"
+            )
+    # A weight axis that is neither contracted nor an output channel of its own is a
+    # batch axis shared with the activation (e.g. "bhd,hdk->bhk"): each slice would
+    # need its own Hessian.
+    weight, act = call.operands[i], call.operands[1 - i]
+    out = jax.eval_shape(call.forward_float, *call.operands)
+    if out.ndim != weight.ndim + act.ndim - 2:
+        raise ValueError(
+            f"{what} shares batch axes with its activation; calibration-based PTQ does "
+            "not support that"
+        )
+    return call.contracting[i][0]
+
+
+def _rows(act: jax.Array, contracting: tuple[int, ...]) -> jax.Array:
+    """The activation as float32 rows ``(n, K)`` with the contracting axis last."""
+    (c,) = contracting
+    x = jnp.moveaxis(act, c, -1)
+    return x.reshape(-1, x.shape[-1]).astype(jnp.float32)
+
+
+def _batch_stats(x: jax.Array, hessian: bool) -> dict[str, jax.Array]:
+    a = jnp.abs(x)
+    s = {
+        "count": jnp.asarray(x.shape[0], jnp.int32),
+        "abs_sum": jnp.sum(a, axis=0),
+        "abs_max": jnp.max(a, axis=0),
+    }
+    if hessian:
+        s["hessian"] = jnp.einsum("nk,nl->kl", x, x, precision=jax.lax.Precision.HIGHEST)
+    return s
+
+
+def progress(items: Iterable[Any], desc: str, enabled: bool, total: int | None = None) -> Iterator:
+    """Iterates ``items`` with a progress display (tqdm if installed, else stderr)."""
+    if not enabled:
+        yield from items
+        return
+    if total is None:
+        total = len(items) if hasattr(items, "__len__") else None  # type: ignore[arg-type]
+    try:
+        from tqdm.auto import tqdm  # noqa: PLC0415 - optional
+    except ImportError:
+        tqdm = None
+    if tqdm is not None:
+        yield from tqdm(items, desc=desc, total=total)
+        return
+    start, n = time.monotonic(), 0
+    of = f"/{total}" if total is not None else ""
+    try:
+        for n, item in enumerate(items, 1):  # noqa: B007 - n is reported below
+            yield item
+            sys.stderr.write(f"\r{desc}: {n}{of} ({time.monotonic() - start:.1f} s)")
+            sys.stderr.flush()
+    finally:
+        if n:
+            sys.stderr.write("\n")
+
+
+_progress = progress

@@ -1,0 +1,358 @@
+"""GPTQ: quantize weights with second-order error feedback from calibration data.
+
+GPTQ (Frantar et al., 2022, "GPTQ: Accurate Post-Training Quantization for
+Generative Pre-trained Transformers") quantizes a weight ``W`` (``K`` inputs) one
+input row at a time and spreads each row's rounding error over the rows not yet
+quantized, weighted by the inverse Hessian ``H = E[x^T x]`` of the layer's inputs,
+so that the layer *output* ``x W`` (not ``W`` itself) stays close to float:
+
+1. ``H`` is damped (``H + damping * mean(diag H) * I``; inputs that were always
+   zero get ``H_ii = 1``), optionally permuted by decreasing ``diag H``
+   (``act_order``: the most active inputs are quantized first);
+2. ``U`` = the upper Cholesky factor of ``H^-1``;
+3. in blocks of ``block_size`` rows, row ``i`` is quantized to ``q_i``, its error
+   ``e_i = (w_i - q_i) / U_ii`` is subtracted from the later rows of the block as
+   ``U_ij e_i``, and after the block the later blocks get ``U_block,rest^T E``.
+
+Codes land exactly on the grid of the rule's qtype: each row is quantized with
+qcore's :func:`~qcore.quantize_with_scale_zero_point` using the scales (and zero
+points) that :class:`~qflax.PtqProvider` computes from the *original* float
+weight with the rule's calibration (per output channel, or per tile: GPTQ's
+"static groups", which also keeps act-order and tiles consistent). The result is
+an ordinary :class:`~qflax.QuantizedParam` with the recipe PtqProvider expects,
+so the plain PTQ model serves it.
+
+Example:
+    >>> import flax.linen as nn, jax, jax.numpy as jnp
+    >>> import qflax
+    >>> from qflax.gptq import gptq
+    >>> model = nn.Dense(8)
+    >>> z = jax.random.normal(jax.random.key(0), (4, 64, 16))
+    >>> mix = jax.random.normal(jax.random.key(1), (16, 16))
+    >>> batches = [b @ mix for b in z]  # correlated inputs
+    >>> params = model.init(jax.random.key(2), batches[0])["params"]
+    >>> rules = [qflax.QuantizationRule(weight_qtype="int4")]
+    >>> q = gptq(model, params, rules, batches, progress=False)
+    >>> q["kernel"]
+    QuantizedParam(int4, shape=(16, 8), compute shape=(16, 8), packed)
+    >>> qmodel = qflax.quantize_model(model, qflax.PtqProvider(rules))
+    >>> rtn = qflax.quantize_params(
+    ...     params, jax.eval_shape(qmodel.init, jax.random.key(0), batches[0])["params"]
+    ... )
+    >>> x, ref = batches[0], model.apply({"params": params}, batches[0])
+    >>> def err(p):
+    ...     return float(jnp.mean(jnp.abs(qmodel.apply({"params": p}, x) - ref)))
+    >>> err(q) < err(rtn)
+    True
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Sequence
+from functools import partial
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx, traverse_util
+
+import qcore
+from qflax.calibration import LayerStats, collect, progress
+from qflax.context import box_leaves
+from qflax.qparam import QuantizedParam, to_compute_layout
+from qflax.rule import QuantizationRule
+
+
+def gptq(
+    model: nn.Module | nnx.Module,
+    params: Any,
+    rules: Sequence[QuantizationRule],
+    calibration_batches: Iterable[Any] | None,
+    *,
+    block_size: int = 128,
+    damping: float = 0.01,
+    act_order: bool = False,
+    method: str = "__call__",
+    stats: dict[str, LayerStats] | None = None,
+    progress: bool = True,
+) -> dict:
+    """Quantizes the weights the rules select with GPTQ; returns ordinary PTQ params.
+
+    Args:
+        model: A Linen module (unbound) or an NNX module (not modified).
+        params: Linen: the float ``params`` collection. NNX: None.
+        rules: The rules of the PTQ model that will serve the result
+            (``qflax.quantize_model(model, qflax.PtqProvider(rules))``).
+        calibration_batches: Model inputs (see :func:`qflax.calibration.collect`);
+            may be None when ``stats`` is given.
+        block_size: Rows quantized together before their error is propagated to
+            the remaining rows (lazy batch updates; only speed depends on it).
+        damping: Added to the Hessian's diagonal, relative to its mean.
+        act_order: Quantize inputs in order of decreasing Hessian diagonal.
+        method: The model method the batches are inputs of.
+        stats: Statistics from :func:`~qflax.calibration.collect` (with the
+            Hessian), to reuse one collection for several settings.
+        progress: Show progress over batches and layers.
+
+    Returns:
+        A new nested dict of params (Linen: shaped like ``params``, boxes kept;
+        NNX: like ``nnx.to_pure_dict(nnx.state(model, nnx.Param))``, load it with
+        ``nnx.replace_by_pure_dict``): GPTQ-quantized weights as
+        :class:`~qflax.QuantizedParam` objects, every other entry unchanged (the same
+        float arrays). The inputs are never modified, so an interrupted call
+        (``KeyboardInterrupt``) leaves them intact.
+
+    Raises:
+        ValueError: Bad arguments, no calibration data, rules the algorithm
+            cannot handle (see :func:`~qflax.calibration.collect`), stochastic
+            rounding, stacked (scanned) weights, or a Hessian that is not
+            positive definite after damping.
+    """
+    if not (isinstance(block_size, int) and block_size > 0):
+        raise ValueError(f"block_size={block_size!r} must be a positive int")
+    if not damping >= 0:
+        raise ValueError(f"damping={damping!r} must be >= 0")
+    if stats is None:
+        if calibration_batches is None:
+            raise ValueError("no calibration data: pass calibration_batches (or stats)")
+        stats = collect(model, params, rules, calibration_batches, method=method, progress=progress)
+    if isinstance(model, nnx.Module):
+        tree = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    elif isinstance(model, nn.Module):
+        tree = params
+    else:
+        raise ValueError(f"model={type(model).__name__} is neither a flax.linen nor an nnx.Module")
+    flat = traverse_util.flatten_dict(
+        _plain(tree), is_leaf=lambda _, x: isinstance(x, nn.meta.AxisMetadata)
+    )
+    by_path = {"/".join(str(k) for k in key): key for key in flat}
+    out = dict(flat)
+    for path, layer in progress_over(stats, progress):
+        if layer.hessian is None:
+            raise ValueError(f"stats[{path!r}] has no Hessian: collect(..., hessian=True)")
+        if path not in by_path:
+            raise ValueError(f"stats[{path!r}] names no param of the model")
+        key = by_path[path]
+        raw = flat[key]
+        value: Any = nn.meta.unbox(raw) if isinstance(raw, nn.meta.AxisMetadata) else raw
+        recipe = layer.recipe
+        if tuple(np.shape(value)) != recipe.shape:
+            raise ValueError(
+                f"param {path!r} has shape {tuple(np.shape(value))}, but its op uses one layer "
+                f"of shape {recipe.shape}; stacked (scanned/vmapped) weights are not supported"
+            )
+        w = to_compute_layout(jnp.asarray(value), recipe)
+        qa = quantize_weight(
+            w,
+            layer.mean_hessian(),
+            recipe.spec,
+            axis=layer.site.axis,
+            block_size=block_size,
+            damping=damping,
+            act_order=act_order,
+            name=path,
+        )
+        qp = QuantizedParam(qa, recipe)
+        out[key] = box_leaves(raw, qp) if isinstance(raw, nn.meta.AxisMetadata) else qp
+    return traverse_util.unflatten_dict(out)
+
+
+def progress_over(stats: dict[str, LayerStats], enabled: bool) -> Any:
+    """``stats.items()`` with a progress display over layers."""
+    return progress(list(stats.items()), "GPTQ layers", enabled)
+
+
+def _plain(tree: Any) -> Any:
+    if hasattr(tree, "items") and not isinstance(tree, nn.meta.AxisMetadata):
+        return {k: _plain(v) for k, v in tree.items()}
+    return tree
+
+
+def quantize_weight(
+    w: jax.Array,
+    hessian: jax.Array | np.ndarray,
+    spec: qcore.HowToQuantize,
+    *,
+    axis: int = 0,
+    block_size: int = 128,
+    damping: float = 0.01,
+    act_order: bool = False,
+    name: str = "weight",
+) -> qcore.QArray:
+    """GPTQ-quantizes one weight in its compute layout (see the module doc).
+
+    Args:
+        w: The float weight, contracted over ``axis`` (size ``K``).
+        hessian: ``E[x^T x]`` of its inputs, ``(K, K)``.
+        spec: The qcore spec (as :meth:`~qflax.QuantizationRule.weight_spec`
+            gives it); the scales are those ``qcore.quantize(w, spec)`` computes.
+        axis: The contracting axis.
+        block_size: Rows per lazy-update block.
+        damping: Relative diagonal damping.
+        act_order: Quantize rows by decreasing ``diag(hessian)``.
+        name: Used in error messages.
+
+    Returns:
+        The QArray (packed if ``spec.pack``), with the same scales as
+        ``qcore.quantize(w, spec)`` and GPTQ's codes.
+
+    Example:
+        >>> import jax, jax.numpy as jnp, qcore
+        >>> w = jax.random.normal(jax.random.key(0), (8, 3))
+        >>> spec = qcore.HowToQuantize(qtype="int4", channelwise_axes=(1,))
+        >>> q = quantize_weight(w, jnp.eye(8), spec)  # H = I: plain rounding
+        >>> bool(jnp.all(q.scale == qcore.quantize(w, spec).scale))
+        True
+        >>> float(jnp.max(jnp.abs(qcore.dequantize(q) - w) / q.scale))  # half a step
+        0.5
+    """
+    w = jnp.asarray(w)
+    axis = axis % w.ndim
+    k = w.shape[axis]
+    h = np.asarray(hessian, np.float64)
+    if h.shape != (k, k):
+        raise ValueError(f"{name}: Hessian shape {h.shape} does not match K={k} (axis {axis})")
+    if spec.rounding == "stochastic":
+        raise ValueError(f"{name}: GPTQ needs deterministic rounding, not {spec.rounding!r}")
+    plain = dataclasses.replace(spec, pack=False)
+    rtn = qcore.quantize(w, plain)
+    qtype = rtn.qtype
+    scale = _expand(rtn.scale.astype(jnp.float32), w.shape)
+    if rtn.tensor_scale is not None:
+        scale = scale * rtn.tensor_scale.astype(jnp.float32)
+    zero = None if rtn.zero_point is None else _expand(rtn.zero_point, w.shape)
+
+    def rows(a: jax.Array) -> jax.Array:
+        return jnp.moveaxis(a, axis, 0).reshape(k, -1)
+
+    perm = _hessian_order(h, act_order)
+    u = _inverse_cholesky(h[np.ix_(perm, perm)], damping, name)
+    w2 = rows(w.astype(jnp.float32))[perm]
+    s2 = rows(scale)[perm]
+    z2 = None if zero is None else rows(zero.astype(jnp.float32))[perm]
+    q2 = _gptq_rows(
+        w2,
+        s2,
+        z2,
+        jnp.asarray(u, jnp.float32),
+        qtype=qtype,
+        rounding=spec.rounding,
+        narrow_range=spec.narrow_range,
+        block=block_size,
+    )
+    q2 = q2[np.argsort(perm)]
+    moved = jnp.moveaxis(w, axis, 0).shape
+    q = jnp.moveaxis(q2.reshape(moved), 0, axis).astype(w.dtype)
+    # q is on the grid already: re-encoding with the same scales recovers its codes.
+    out = qcore.quantize_with_scale_zero_point(
+        q,
+        qtype,
+        rtn.scale,
+        rtn.zero_point,
+        tensor_scale=rtn.tensor_scale,
+        rounding=spec.rounding,
+        narrow_range=spec.narrow_range,
+    )
+    return qcore.pack(out, axis=spec.pack_axis) if spec.pack else out
+
+
+def _expand(a: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    """A scale-shaped array repeated to the value's full shape (generic broadcast)."""
+    for i, (d, s) in enumerate(zip(shape, a.shape, strict=True)):
+        if d != s:
+            a = jnp.repeat(a, d // s, axis=i)
+    return a
+
+
+def _hessian_order(h: np.ndarray, act_order: bool) -> np.ndarray:
+    if not act_order:
+        return np.arange(h.shape[0])
+    return np.argsort(-np.diag(h), kind="stable")
+
+
+def _inverse_cholesky(h: np.ndarray, damping: float, name: str) -> np.ndarray:
+    """Upper Cholesky factor ``U`` of the damped ``H^-1`` (``H^-1 = U^T U``), float64."""
+    h = np.array(h, np.float64)
+    diag = np.diag(h).copy()
+    if not np.all(np.isfinite(h)):
+        raise ValueError(f"{name}: the Hessian has non-finite entries (inf/NaN inputs?)")
+    dead = diag == 0
+    diag[dead] = 1.0  # inputs that were always 0: their rows do not affect the output
+    np.fill_diagonal(h, diag)
+    h[np.ix_(dead, ~dead)] = 0.0
+    h[np.ix_(~dead, dead)] = 0.0
+    h[np.diag_indices_from(h)] += damping * float(np.mean(diag))
+    try:
+        inv = np.linalg.inv(np.linalg.cholesky(h))  # L^-1, with H = L L^T
+        return np.linalg.cholesky(inv.T @ inv).T
+    except np.linalg.LinAlgError:
+        raise ValueError(
+            f"{name}: the damped Hessian is not positive definite (damping={damping}); "
+            "increase damping or use more calibration data"
+        ) from None
+
+
+@partial(jax.jit, static_argnames=("qtype", "rounding", "narrow_range", "block"))
+def _gptq_rows(
+    w: jax.Array,
+    s: jax.Array,
+    z: jax.Array | None,
+    u: jax.Array,
+    *,
+    qtype: qcore.QType,
+    rounding: str,
+    narrow_range: bool,
+    block: int,
+) -> jax.Array:
+    """The GPTQ loop on rows ``w`` ``(K, N)`` with per-element scales; returns ``Q``."""
+    k = w.shape[0]
+    block = min(block, k)
+
+    def fake_quant(row: jax.Array, s_row: jax.Array, z_row: jax.Array | None) -> jax.Array:
+        q = qcore.quantize_with_scale_zero_point(
+            row, qtype, s_row, z_row, rounding=rounding, narrow_range=narrow_range
+        )
+        return qcore.dequantize(q, jnp.float32)
+
+    # Pad K to whole blocks with inert rows (weight 0, scale 1, U = I there) so one
+    # compiled loop body serves every block: compile time does not grow with K.
+    pad = -k % block
+    kp = k + pad
+    w = jnp.pad(w, ((0, pad), (0, 0)))
+    s = jnp.pad(s, ((0, pad), (0, 0)), constant_values=1.0)
+    z = None if z is None else jnp.pad(z, ((0, pad), (0, 0)))
+    u = jnp.pad(u, ((0, pad), (0, pad))) + jnp.diag(
+        jnp.concatenate([jnp.zeros(k, u.dtype), jnp.ones(pad, u.dtype)])
+    )
+    n = w.shape[1]
+
+    def run_block(b, carry):
+        w, q = carry
+        b0 = b * block
+        w1 = jax.lax.dynamic_slice(w, (b0, 0), (block, n))
+        s1 = jax.lax.dynamic_slice(s, (b0, 0), (block, n))
+        z1 = None if z is None else jax.lax.dynamic_slice(z, (b0, 0), (block, n))
+        u_rows = jax.lax.dynamic_slice(u, (b0, 0), (block, kp))
+        u1 = jax.lax.dynamic_slice(u_rows, (0, b0), (block, block))
+
+        def body(i, carry):
+            w1, q1, e1 = carry
+            row = w1[i]
+            qi = fake_quant(row, s1[i], None if z1 is None else z1[i])
+            err = (row - qi) / u1[i, i]
+            # U is upper triangular: rows before i are untouched, row i becomes qi.
+            w1 = w1 - u1[i][:, None] * err[None, :]
+            return w1, q1.at[i].set(qi), e1.at[i].set(err)
+
+        zeros = jnp.zeros_like(w1)
+        _, q1, e1 = jax.lax.fori_loop(0, block, body, (w1, zeros, zeros))
+        # Propagate the block's errors to the later rows; rows up to this block's end
+        # are quantized already (U is zero before the block), so updating them is moot.
+        w = w - jnp.matmul(u_rows.T, e1, precision=jax.lax.Precision.HIGHEST)
+        return w, jax.lax.dynamic_update_slice(q, q1, (b0, 0))
+
+    _, q = jax.lax.fori_loop(0, kp // block, run_block, (w, jnp.zeros_like(w)))
+    return q[:k]
