@@ -53,8 +53,9 @@ import numpy as np
 from flax import nnx, traverse_util
 
 import qcore
-from qflax.calibration import LayerStats, collect, progress
+from qflax.calibration import LayerStats, collect
 from qflax.context import box_leaves
+from qflax.progress import track
 from qflax.qparam import QuantizedParam, to_compute_layout
 from qflax.rule import QuantizationRule
 
@@ -240,4 +241,4 @@ def _plain(tree: Any) -> Any:
 
 def progress_over(groups: dict[tuple[str, ...], list[str]], enabled: bool) -> Any:
     """``groups.items()`` with a progress display over weight groups."""
-    return progress(list(groups.items()), "AWQ layers", enabled)
+    return track(list(groups.items()), "AWQ layers", enabled)

@@ -48,9 +48,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import sys
-import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import flax.linen as nn
@@ -61,6 +59,7 @@ from flax import nnx
 from qflax import interception, module_path
 from qflax.context import CallContext, Mode
 from qflax.opcall import OpCall, bind
+from qflax.progress import track
 from qflax.provider import Weight, _check_tiles, _weight_recipe
 from qflax.qparam import QuantizedParam, Recipe
 from qflax.rule import QuantizationRule, RuleMatcher
@@ -197,7 +196,7 @@ def collect(
     run = jax.jit(step) if jit else step
     acc: dict[str, dict[str, jax.Array]] = {}
     n = 0
-    for batch in _progress(batches, "calibration batches", progress):
+    for batch in track(batches, "calibration batches", progress):
         args = batch if isinstance(batch, tuple) else (batch,)
         acc = run(variables, acc, args)
         n += 1
@@ -341,32 +340,3 @@ def _batch_stats(x: jax.Array, hessian: bool) -> dict[str, jax.Array]:
     if hessian:
         s["hessian"] = jnp.einsum("nk,nl->kl", x, x, precision=jax.lax.Precision.HIGHEST)
     return s
-
-
-def progress(items: Iterable[Any], desc: str, enabled: bool, total: int | None = None) -> Iterator:
-    """Iterates ``items`` with a progress display (tqdm if installed, else stderr)."""
-    if not enabled:
-        yield from items
-        return
-    if total is None:
-        total = len(items) if hasattr(items, "__len__") else None  # type: ignore[arg-type]
-    try:
-        from tqdm.auto import tqdm  # noqa: PLC0415 - optional
-    except ImportError:
-        tqdm = None
-    if tqdm is not None:
-        yield from tqdm(items, desc=desc, total=total)
-        return
-    start, n = time.monotonic(), 0
-    of = f"/{total}" if total is not None else ""
-    try:
-        for n, item in enumerate(items, 1):  # noqa: B007 - n is reported below
-            yield item
-            sys.stderr.write(f"\r{desc}: {n}{of} ({time.monotonic() - start:.1f} s)")
-            sys.stderr.flush()
-    finally:
-        if n:
-            sys.stderr.write("\n")
-
-
-_progress = progress

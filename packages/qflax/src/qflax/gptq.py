@@ -60,8 +60,9 @@ import numpy as np
 from flax import nnx, traverse_util
 
 import qcore
-from qflax.calibration import LayerStats, collect, progress
+from qflax.calibration import LayerStats, collect
 from qflax.context import box_leaves
+from qflax.progress import track
 from qflax.qparam import QuantizedParam, to_compute_layout
 from qflax.rule import QuantizationRule
 
@@ -162,7 +163,7 @@ def gptq(
 
 def progress_over(stats: dict[str, LayerStats], enabled: bool) -> Any:
     """``stats.items()`` with a progress display over layers."""
-    return progress(list(stats.items()), "GPTQ layers", enabled)
+    return track(list(stats.items()), "GPTQ layers", enabled)
 
 
 def _plain(tree: Any) -> Any:
