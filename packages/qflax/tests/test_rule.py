@@ -14,6 +14,9 @@ def test_public_api_is_pinned():
     assert set(qflax.__all__) == {
         "OP_NAMES",
         "ActScale",
+        "LoraParam",
+        "LoraProvider",
+        "LoraRule",
         "Provider",
         "PtqProvider",
         "QtProvider",
@@ -23,11 +26,17 @@ def test_public_api_is_pinned():
         "QuantizedParam",
         "RuleMatcher",
         "__version__",
+        "awq",
+        "calibration",
         "checkpoint",
+        "gptq",
         "interception",
+        "lora",
+        "mixed_precision",
         "module_path",
         "quantize_model",
         "quantize_params",
+        "report",
         "stats",
     }
 

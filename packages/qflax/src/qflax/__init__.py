@@ -5,11 +5,27 @@ Rules (:class:`QuantizationRule`) select ops by module path; a provider
 :func:`quantize_model` applies it to a Linen or NNX model and
 :func:`quantize_params` quantizes float checkpoints without running the model.
 :mod:`qflax.checkpoint` saves and loads quantized params (orbax, safetensors).
+:class:`LoraProvider` adds LoRA adapters (QLoRA on a quantized base);
+:mod:`qflax.gptq` and :mod:`qflax.awq` turn calibration data into better PTQ
+params; :mod:`qflax.report` and :mod:`qflax.mixed_precision` measure each op's
+error and pick a format per op under a size budget.
 See the docs page "Quantize a Flax model".
 """
 
-from qflax import checkpoint, interception, module_path, stats
+from qflax import (
+    awq,
+    calibration,
+    checkpoint,
+    gptq,
+    interception,
+    lora,
+    mixed_precision,
+    module_path,
+    report,
+    stats,
+)
 from qflax.interception import OP_NAMES
+from qflax.lora import LoraParam, LoraProvider, LoraRule
 from qflax.model import QuantizedLinen, quantize_model
 from qflax.params import quantize_params
 from qflax.provider import Provider, PtqProvider, QtProvider
@@ -22,6 +38,9 @@ __version__ = "0.1.0"
 __all__ = [
     "OP_NAMES",
     "ActScale",
+    "LoraParam",
+    "LoraProvider",
+    "LoraRule",
     "Provider",
     "PtqProvider",
     "QtProvider",
@@ -31,10 +50,16 @@ __all__ = [
     "QuantizedParam",
     "RuleMatcher",
     "__version__",
+    "awq",
+    "calibration",
     "checkpoint",
+    "gptq",
     "interception",
+    "lora",
+    "mixed_precision",
     "module_path",
     "quantize_model",
     "quantize_params",
+    "report",
     "stats",
 ]

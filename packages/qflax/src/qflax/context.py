@@ -74,6 +74,9 @@ class CallContext:
         # DISCOVER results: param path -> recipe; module path -> site variables.
         self.recipes: dict[str, Any] = {}
         self.sites: dict[str, dict[str, Any]] = {}
+        # DISCOVER results a provider creates itself afterwards (key -> request),
+        # see Provider.nnx_variables.
+        self.requests: dict[Any, Any] = {}
 
     # -- value handler -----------------------------------------------------------
     def __call__(self, name: str, original: Callable[..., Any], args: tuple, kwargs: dict) -> Any:

@@ -232,13 +232,6 @@ def _discover(
     return ctx
 
 
-def _find(model: nnx.Module, path: str) -> Any:
-    node: Any = model
-    for part in path.split("/") if path else ():
-        node = getattr(node, part) if hasattr(node, part) else node[int(part)]
-    return node
-
-
 def _convert(model: nnx.Module, provider: Provider, ctx: CallContext) -> None:
     """Quantizes the discovered params in place and adds the activation sites' variables.
 
@@ -248,11 +241,11 @@ def _convert(model: nnx.Module, provider: Provider, ctx: CallContext) -> None:
     lead: dict[str, tuple[int, ...]] = {}  # module path -> stacking axes (nnx.vmap'd layers)
     for path, recipe in ctx.recipes.items():
         module_name, _, attr = path.rpartition("/")
-        shape = getattr(_find(model, module_name), attr).get_raw_value().shape
+        shape = getattr(module_path.find_nnx(model, module_name), attr).get_raw_value().shape
         lead[module_name] = tuple(shape[: len(shape) - len(recipe.shape)])
     new_vars: list[tuple[Any, str, nnx.Variable]] = []
     for path, variables in ctx.sites.items():
-        module = _find(model, path)
+        module = module_path.find_nnx(model, path)
         for name, (collection, value) in variables.items():
             if collection == "quant_stats":
                 shape = lead.get(path, ())
@@ -273,10 +266,11 @@ def _convert(model: nnx.Module, provider: Provider, ctx: CallContext) -> None:
             stats.check_seen(stat, f"{path}/{site}")
             scale = stats.scale(stat, value.recipe.qtype)
             new_vars.append((module, name, nnx.Param(ActScale(scale, value.recipe))))
+    new_vars += provider.nnx_variables(model, ctx)
     if isinstance(provider, PtqProvider):
         for path, recipe in ctx.recipes.items():
             module_name, _, attr = path.rpartition("/")
-            var = getattr(_find(model, module_name), attr)
+            var = getattr(module_path.find_nnx(model, module_name), attr)
             var.set_raw_value(_sharded_like(var.get_raw_value(), recipe))
             if var.has_metadata("out_sharding"):
                 # A float-layout spec does not fit codes and scales; their arrays

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
+from typing import Any
 
 import flax.linen as nn
 from flax import nnx
@@ -94,3 +95,11 @@ def label_nnx(model: nnx.Module) -> None:
 def nnx_path(obj: object) -> str | None:
     """The path :func:`label_nnx` stored in an NNX module, or None."""
     return getattr(obj, PATH_ATTRIBUTE, None) if isinstance(obj, nnx.Module) else None
+
+
+def find_nnx(model: nnx.Module, path: str) -> Any:
+    """The submodule of ``model`` at the ``/``-joined ``path`` (``""``: the model)."""
+    node: Any = model
+    for part in path.split("/") if path else ():
+        node = getattr(node, part) if hasattr(node, part) else node[int(part)]
+    return node

@@ -80,6 +80,16 @@ class Provider:
             self._warned = True
             self.warn_unused()
 
+    def nnx_variables(self, model: Any, ctx: CallContext) -> list[tuple[Any, str, Any]]:
+        """Variables to add to an NNX model after discovery, as ``(module, name, variable)``.
+
+        Called by :func:`qflax.quantize_model` outside any trace, after every
+        check of the conversion passed and before anything is added; ``ctx`` holds
+        what the discovery pass recorded (``ctx.requests``). None by default.
+        """
+        del model, ctx
+        return []
+
     def handler(self, ctx: CallContext) -> Callable[[str, Callable[..., Any], tuple, dict], Any]:
         """The op handler for one call (see :func:`qflax.interception.intercept`)."""
 
