@@ -37,6 +37,8 @@ def test_public_api_is_pinned():
         "quantize_model",
         "quantize_params",
         "report",
+        "rotation",
+        "smoothquant",
         "stats",
     }
 

@@ -6,9 +6,11 @@ Rules (:class:`QuantizationRule`) select ops by module path; a provider
 :func:`quantize_params` quantizes float checkpoints without running the model.
 :mod:`qflax.checkpoint` saves and loads quantized params (orbax, safetensors).
 :class:`LoraProvider` adds LoRA adapters (QLoRA on a quantized base);
-:mod:`qflax.gptq` and :mod:`qflax.awq` turn calibration data into better PTQ
-params; :mod:`qflax.report` and :mod:`qflax.mixed_precision` measure each op's
-error and pick a format per op under a size budget.
+:mod:`qflax.gptq`, :mod:`qflax.awq` and :mod:`qflax.smoothquant` turn calibration
+data into better PTQ params (``QuantizationRule(rotation="hadamard")`` rotates
+an op's contraction axis first); :mod:`qflax.report` and
+:mod:`qflax.mixed_precision` measure each op's error and pick a format per op
+under a size budget.
 See the docs page "Quantize a Flax model".
 """
 
@@ -22,6 +24,8 @@ from qflax import (
     mixed_precision,
     module_path,
     report,
+    rotation,
+    smoothquant,
     stats,
 )
 from qflax.interception import OP_NAMES
@@ -61,5 +65,7 @@ __all__ = [
     "quantize_model",
     "quantize_params",
     "report",
+    "rotation",
+    "smoothquant",
     "stats",
 ]

@@ -49,14 +49,13 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx, traverse_util
 
 import qcore
+from qflax import folding
 from qflax.calibration import LayerStats, collect
-from qflax.context import box_leaves
 from qflax.progress import track
-from qflax.qparam import QuantizedParam, to_compute_layout
+from qflax.qparam import QuantizedParam
 from qflax.rule import QuantizationRule
 
 
@@ -105,62 +104,15 @@ def awq(
         if calibration_batches is None:
             raise ValueError("no calibration data: pass calibration_batches (or stats)")
         stats = collect(model, params, rules, calibration_batches, method=method, progress=progress)
-    tree = (
-        nnx.to_pure_dict(nnx.state(model, nnx.Param)) if isinstance(model, nnx.Module) else params
-    )
-    flat = traverse_util.flatten_dict(
-        _plain(tree), is_leaf=lambda _, x: isinstance(x, nn.meta.AxisMetadata)
-    )
-    keys = {"/".join(str(k) for k in key): key for key in flat}
-    targets = {w: (t,) if isinstance(t, str) else tuple(t) for w, t in fold_into.items()}
-    for w, ts in targets.items():
-        if w not in stats:
-            raise ValueError(
-                f"fold_into[{w!r}]: no quantized weight of that path (quantized: {list(stats)})"
-            )
-        for t in ts:
-            if t not in keys:
-                raise ValueError(f"fold_into[{w!r}]: {t!r} is not a param of the model")
-            if t in stats:
-                raise ValueError(
-                    f"fold_into[{w!r}]: {t!r} is quantized by the rules; fold into a float "
-                    "param (quantizing the previous layer after folding is not supported)"
-                )
-            k = int(np.shape(_value(flat[keys[t]]))[-1])
-            if k != _k(stats[w]):
-                raise ValueError(
-                    f"fold_into[{w!r}]: {t!r} has {k} entries on its last axis, the weight "
-                    f"has {_k(stats[w])} input channels"
-                )
-    groups: dict[tuple[str, ...], list[str]] = {}
-    for w in stats:
-        groups.setdefault(tuple(sorted(targets.get(w, ()))), []).append(w)
-    owner: dict[str, tuple[str, ...]] = {}
-    for ts in groups:
-        for t in ts:
-            if owner.setdefault(t, ts) != ts:
-                raise ValueError(
-                    f"fold_into: {t!r} is a fold target of weights with different target sets "
-                    f"({owner[t]} and {ts}); weights sharing an input must list the same targets"
-                )
-    out = dict(flat)
-    for ts, members in progress_over(groups, progress):
-        weights = [(_weight(flat[keys[w]], stats[w]), stats[w]) for w in members]
-        if ts:
-            s = search_scale(weights, grid)
-            for t in ts:
-                raw: Any = flat[keys[t]]
-                value = jnp.asarray(_value(raw))
-                scale = _along(s, value.ndim, value.ndim - 1).astype(value.dtype)
-                new = (value / scale).astype(value.dtype)
-                out[keys[t]] = raw.replace_boxed(new) if _boxed(raw) else new
-        else:
-            s = None
+    folds = folding.plan(model, params, stats, fold_into)
+    out = dict(folds.flat)
+    for ts, members in progress_over(folds.groups, progress):
+        weights = [(folds.weight(w, stats[w]), stats[w]) for w in members]
+        s = search_scale(weights, grid) if ts else None
+        if s is not None:
+            folds.fold(out, ts, s)
         for w, (wc, layer) in zip(members, weights, strict=True):
-            qa = _quantize_scaled(wc, layer, s)
-            qp = QuantizedParam(qa, layer.recipe)
-            raw_w: Any = flat[keys[w]]
-            out[keys[w]] = box_leaves(raw_w, qp) if _boxed(raw_w) else qp
+            folds.put(out, w, QuantizedParam(_quantize_scaled(wc, layer, s), layer.recipe))
     return traverse_util.unflatten_dict(out)
 
 
@@ -199,44 +151,8 @@ def _output_error(w: jax.Array, layer: LayerStats, s: jax.Array) -> jax.Array:
     return jnp.sum(d * jnp.matmul(h, d, precision=jax.lax.Precision.HIGHEST))
 
 
-def _quantize_scaled(w: jax.Array, layer: LayerStats, s: jax.Array | None) -> qcore.QArray:
-    if s is not None:
-        w = (w.astype(jnp.float32) * _along(s, w.ndim, layer.site.axis)).astype(w.dtype)
-    return qcore.quantize(w, layer.recipe.spec)
-
-
-def _along(s: jax.Array, ndim: int, axis: int) -> jax.Array:
-    shape = [1] * ndim
-    shape[axis] = s.shape[0]
-    return s.reshape(shape)
-
-
-def _k(layer: LayerStats) -> int:
-    return int(layer.abs_sum.shape[0])
-
-
-def _boxed(raw: Any) -> bool:
-    return isinstance(raw, nn.meta.AxisMetadata)
-
-
-def _value(raw: Any) -> Any:
-    return nn.meta.unbox(raw) if _boxed(raw) else raw
-
-
-def _weight(raw: Any, layer: LayerStats) -> jax.Array:
-    value = jnp.asarray(_value(raw))
-    if tuple(value.shape) != layer.recipe.shape:
-        raise ValueError(
-            f"param {layer.site.path!r} has shape {tuple(value.shape)}, but its op uses one "
-            f"layer of shape {layer.recipe.shape}; stacked weights are not supported"
-        )
-    return to_compute_layout(value, layer.recipe)
-
-
-def _plain(tree: Any) -> Any:
-    if hasattr(tree, "items") and not _boxed(tree):
-        return {k: _plain(v) for k, v in tree.items()}
-    return tree
+_quantize_scaled = folding.quantize_scaled
+_along = folding.along
 
 
 def progress_over(groups: dict[tuple[str, ...], list[str]], enabled: bool) -> Any:

@@ -34,6 +34,7 @@ from qflax import stats
 from qflax.context import CallContext, Mode, Source
 from qflax.opcall import OpCall, bind
 from qflax.qparam import ActScale, QuantizedParam, Recipe, ScaleRecipe, quantize_param
+from qflax.rotation import Hadamard, rotate
 from qflax.rule import QuantizationRule, RuleMatcher
 
 SIDES = ("lhs", "rhs")
@@ -46,6 +47,7 @@ class Weight:
 
     spec: qcore.HowToQuantize
     source: Source
+    rotation: Hadamard | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,14 +110,39 @@ class Provider:
             plans = [self._plan(ctx, call, rule, i, site) for i in range(2)]
             if all(p is None for p in plans):
                 return original(*args, **kwargs)
+            if rule.rotation is not None:
+                call = self._rotated(call, plans, rule.rotation_seed)
             return self.compute(ctx, call, plans, module, path)
 
         return handle
+
+    # A provider that stores weights rotated (PtqProvider) does not rotate them per call.
+    stores_rotated_weights = False
+
+    def _rotated(self, call: OpCall, plans: list[Weight | Activation | None], seed: int) -> OpCall:
+        """``call`` with the contracting axis of its operands rotated (see qflax.rotation)."""
+        new = list(call.operands)
+        for i, (x, plan) in enumerate(zip(call.operands, plans, strict=True)):
+            if not (self.stores_rotated_weights and isinstance(plan, Weight)):
+                new[i] = rotate(x, call.contracting[i][0], seed)
+        return dataclasses.replace(call, operands=(new[0], new[1]))
 
     def _plan(
         self, ctx: CallContext, call: OpCall, rule: QuantizationRule, i: int, site: str
     ) -> Weight | Activation | None:
         x = call.operands[i]
+        if rule.rotation is not None and (
+            len(call.contracting[0]) != 1
+            or call.operands[0].shape[call.contracting[0][0]]
+            != call.operands[1].shape[call.contracting[1][0]]
+        ):
+            where = ctx.calling_module()
+            raise ValueError(
+                f"module {where[1] if where else '?'!r}: rotation={rule.rotation!r} needs an op "
+                f"that contracts exactly one axis of each operand, but {call.name} contracts "
+                f"axes {call.contracting}; allowed: dot_general/einsum/dot/matmul with one "
+                "contracting axis (exclude this op with a rule placed before this one)"
+            )
         source = ctx.source(x)
         if source is not None:
             if rule.weight_qtype is None:
@@ -123,6 +150,8 @@ class Provider:
             spec = rule.weight_spec(x.ndim, call.contracting[i])
             assert spec is not None
             _check_tiles(spec, x.shape, source.path)
+            if rule.rotation is not None:
+                return Weight(spec, source, Hadamard(rule.rotation_seed, call.contracting[i][0]))
             return Weight(spec, source)
         if rule.act_qtype is None:
             return None
@@ -159,6 +188,7 @@ def _weight_recipe(plan: Weight, x: jax.Array) -> Recipe:
         shape=tuple(value.shape),
         dtype=jnp.dtype(value.dtype),
         compute_dtype=jnp.dtype(x.dtype),
+        rotation=plan.rotation,
     )
 
 
@@ -215,6 +245,8 @@ class PtqProvider(Provider):
         rules: The :class:`~qflax.QuantizationRule` list, first match wins.
     """
 
+    stores_rotated_weights = True
+
     def compute(self, ctx, call, plans, module, path):  # noqa: D102 - see Provider
         sites = _Sites(ctx, module, path)
         operands = []
@@ -239,6 +271,12 @@ class PtqProvider(Provider):
                 raise ValueError(
                     f"param {source.path!r} was quantized as {have[0]} in layout {have[1:]}, "
                     f"but this op needs {want[0]} in layout {want[1:]}; re-quantize it from "
+                    "float with these rules"
+                )
+            if qp.recipe.rotation != plan.rotation:
+                raise ValueError(
+                    f"param {source.path!r} was quantized with rotation={qp.recipe.rotation}, "
+                    f"but this op's rule needs rotation={plan.rotation}; re-quantize it from "
                     "float with these rules"
                 )
             return qp.qarray

@@ -44,6 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import qcore
+from qflax.rotation import Hadamard, rotate
 
 Transform = tuple[str, tuple[int, ...]]  # ("reshape", new shape) or ("transpose", perm)
 
@@ -59,6 +60,9 @@ class Recipe:
         shape: The float parameter's shape (one layer).
         dtype: The float parameter's dtype.
         compute_dtype: The dtype the op saw (the QArray dequantizes to it).
+        rotation: A :class:`~qflax.rotation.Hadamard` rotation applied to the
+            compute-layout weight before quantizing (the QArray holds the
+            rotated weight), or None.
     """
 
     spec: qcore.HowToQuantize
@@ -66,6 +70,7 @@ class Recipe:
     shape: tuple[int, ...]
     dtype: np.dtype
     compute_dtype: np.dtype
+    rotation: Hadamard | None = None
 
     def compute_shape(self) -> tuple[int, ...]:
         """The parameter's shape after the transforms."""
@@ -177,7 +182,10 @@ def to_compute_layout(value: jax.Array, recipe: Recipe) -> jax.Array:
 
 @partial(jax.jit, static_argnums=(1,))
 def _quantize_one(value: jax.Array, recipe: Recipe) -> qcore.QArray:
-    return qcore.quantize(to_compute_layout(value, recipe), recipe.spec)
+    x = to_compute_layout(value, recipe)
+    if recipe.rotation is not None:
+        x = rotate(x, recipe.rotation.axis, recipe.rotation.seed)
+    return qcore.quantize(x, recipe.spec)
 
 
 def quantize_param(value: jax.Array, recipe: Recipe) -> QuantizedParam:
@@ -208,6 +216,8 @@ def stand_in(qp: QuantizedParam) -> jax.Array:
     """
     x = qcore.dequantize(qp.qarray)
     lead = x.ndim - len(qp.recipe.compute_shape())
+    if qp.recipe.rotation is not None:  # undo it: the module sees the float weight
+        x = rotate(x, lead + qp.recipe.rotation.axis, qp.recipe.rotation.seed, inverse=True)
     shapes = [qp.recipe.shape]
     for kind, arg in qp.recipe.transforms:
         prev = shapes[-1]

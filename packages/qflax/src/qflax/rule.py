@@ -43,6 +43,7 @@ from qcore import HowToQuantize
 from qflax.interception import OP_NAMES
 
 TileSize = int | float | Mapping[int, int | float] | None
+ROTATIONS = (None, "hadamard")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -64,6 +65,10 @@ class QuantizationRule:
         act_calibration_method: Calibration of activation scales (qcore string).
         act_batch_axes: Activation axes that get their own scale (e.g. ``(0,)``:
             one scale per example); other axes share one.
+        rotation: ``"hadamard"`` rotates the contracting axis of both operands by
+            a random-sign block Hadamard matrix before quantizing them (see
+            :mod:`qflax.rotation`; ops must contract exactly one axis), or None.
+        rotation_seed: Seed of the rotation's random signs.
     """
 
     module_path: str | Callable[[str], bool] = ".*"
@@ -75,6 +80,8 @@ class QuantizationRule:
     weight_calibration_method: str = "absmax"
     act_calibration_method: str = "absmax"
     act_batch_axes: Sequence[int] = (0,)
+    rotation: str | None = None
+    rotation_seed: int = 0
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -114,6 +121,11 @@ class QuantizationRule:
         set_(self, "act_batch_axes", tuple(self.act_batch_axes))
         if self.act_static_scale and self.act_qtype is None:
             raise ValueError("act_static_scale=True needs act_qtype (there is nothing to scale)")
+        if self.rotation not in ROTATIONS:
+            raise ValueError(f"rotation={self.rotation!r} is not allowed; allowed: {ROTATIONS}")
+        seed = self.rotation_seed
+        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+            raise ValueError(f"rotation_seed={seed!r} must be a non-negative int")
 
     def matches(self, path: str, op_name: str) -> bool:
         """Whether this rule applies to op ``op_name`` called by the module at ``path``."""
