@@ -47,6 +47,7 @@ import statistics
 import sys
 import sysconfig
 import time
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -54,7 +55,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from minilm_model import MiniLM, load_params, load_tokenizer, tokenize
+from flax import traverse_util
+from minilm_model import LAYERS, MiniLM, load_params, load_tokenizer, tokenize
 from ops import load_qwix, machine, measured_on, replace_section
 
 import qflax
@@ -124,6 +126,157 @@ def qwix_ptq(**rule: Any) -> Build:
     return build
 
 
+# Calibration inputs of GPTQ / AWQ / mixed precision: ``(ids, mask)`` batches of BATCH
+# sentences from the pool that are not evaluation sentences. Set by ``main``.
+CALIBRATION: list[tuple[jax.Array, jax.Array]] = []
+CALIBRATION_SENTENCES = 128
+# Mixed precision measures 3 candidates x 36 ops, each a model run over its batches: it
+# uses the first MP_BATCHES calibration batches only, to keep the run short.
+MP_BATCHES = 2
+INT4_T128 = {"weight_qtype": "int4", "tile_size": 128}
+
+
+def encoder_rules(**rule: Any) -> list[qflax.QuantizationRule]:
+    """One qflax rule over the encoder's Dense matmuls."""
+    return [qflax.QuantizationRule(module_path=ENCODER_DENSE, op_names=["dot_general"], **rule)]
+
+
+def qflax_serve(params: Any, ids: jax.Array, mask: jax.Array, rules: Any) -> tuple[Apply, Any]:
+    """The plain qflax PTQ model of ``rules`` with ``params`` (quantized here if float)."""
+    qmodel = qflax.quantize_model(MiniLM(), qflax.PtqProvider(rules))
+    abstract = jax.eval_shape(qmodel.init, jax.random.key(0), ids, mask)["params"]
+    quantized = any(
+        isinstance(x, qflax.QuantizedParam)
+        for x in jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, qflax.QuantizedParam))
+    )
+    qparams = params if quantized else qflax.quantize_params(params, abstract)
+    return jax.jit(lambda p, i, m: qmodel.apply({"params": p}, i, m)), qparams
+
+
+def qflax_gptq(**kw: Any) -> Build:
+    """qflax GPTQ (``qflax.gptq.gptq``) with the int4 t128 rule, on the calibration batches."""
+
+    def build(params: Any, ids: jax.Array, mask: jax.Array) -> tuple[Apply, Any]:
+        from qflax.gptq import gptq  # noqa: PLC0415
+
+        rules = encoder_rules(**INT4_T128)
+        gparams = gptq(MiniLM(), params, rules, CALIBRATION, progress=False, **kw)
+        return qflax_serve(gparams, ids, mask, rules)
+
+    return build
+
+
+def layernorm_fold_into() -> dict[str, list[str]]:
+    """AWQ fold targets: the LayerNorm (scale and bias) that produces each op's input.
+
+    query/key/value of layer i fold into the LayerNorm before the layer (the embeddings'
+    for layer 0), intermediate into the layer's attention_LayerNorm. The attention
+    output and output projections have no float predecessor to fold into (qflax folds
+    only into float params; value and intermediate are quantized) and get plain RTN.
+    Caveat: in this post-LayerNorm BERT each LayerNorm output also feeds the residual
+    sum, which the folded ``1/s`` scales too, so the AWQ model is not the float model
+    with rescaled weights.
+    """
+    out: dict[str, list[str]] = {}
+    for i in range(LAYERS):
+        ln = "embeddings/LayerNorm" if i == 0 else f"layer_{i - 1}/output_LayerNorm"
+        for name in ("query", "key", "value"):
+            out[f"layer_{i}/attention/{name}/kernel"] = [f"{ln}/scale", f"{ln}/bias"]
+        out[f"layer_{i}/intermediate/kernel"] = [
+            f"layer_{i}/attention_LayerNorm/scale",
+            f"layer_{i}/attention_LayerNorm/bias",
+        ]
+    return out
+
+
+def qflax_awq(fold_into: Callable[[], dict[str, list[str]]]) -> Build:
+    """qflax AWQ (``qflax.awq.awq``) with the int4 t128 rule, on the calibration batches."""
+
+    def build(params: Any, ids: jax.Array, mask: jax.Array) -> tuple[Apply, Any]:
+        from qflax.awq import awq  # noqa: PLC0415
+
+        rules = encoder_rules(**INT4_T128)
+        aparams = awq(MiniLM(), params, rules, CALIBRATION, fold_into=fold_into(), progress=False)
+        return qflax_serve(aparams, ids, mask, rules)
+
+    return build
+
+
+def dense_kernel_bytes(params: Any) -> int:
+    """Float bytes of the 36 encoder Dense kernels (the weights the rules quantize)."""
+    flat = traverse_util.flatten_dict(params, sep="/")
+    return sum(
+        int(np.asarray(v).nbytes)
+        for k, v in flat.items()
+        if k.endswith("/kernel") and re.fullmatch(ENCODER_DENSE, k.removesuffix("/kernel"))
+    )
+
+
+def qflax_mixed(ratio: float) -> Build:
+    """qflax mixed precision over the encoder's Dense matmuls.
+
+    The budget: the quantized kernels' bytes <= ``ratio`` x their float bytes. Expressed
+    as ``budget_bytes`` (mixed_precision's budget covers all params): every other param
+    (embeddings, biases, LayerNorms) stays float and counts at its float size.
+    """
+
+    def build(params: Any, ids: jax.Array, mask: jax.Array) -> tuple[Apply, Any]:
+        from qflax.mixed_precision import mixed_precision  # noqa: PLC0415
+
+        total = sum(int(np.asarray(v).nbytes) for v in jax.tree.leaves(params))
+        kernels = dense_kernel_bytes(params)
+        result = mixed_precision(
+            MiniLM(),
+            params,
+            CALIBRATION[:MP_BATCHES],
+            candidates=("int8", "int4", "nf4"),
+            budget_bytes=total - kernels + int(ratio * kernels),
+            tile_size={"int4": 128, "nf4": 64},
+            module_path=ENCODER_DENSE,
+            progress=False,
+        )
+        print(result.to_text(), flush=True)
+        counts: dict[str, int] = {}
+        for q in result.assignment.values():
+            counts[str(q)] = counts.get(str(q), 0) + 1
+        print(
+            f"kernels quantized to {(result.total_bytes - total + kernels) / kernels:.4f}x "
+            f"float; {counts}",
+            flush=True,
+        )
+        return qflax_serve(params, ids, mask, list(result.rules))
+
+    return build
+
+
+def qwix_gptq(**rule: Any) -> Build:
+    """Qwix 0.1.8 GPTQ (``qwix.contrib.gptq``) with the same rule and calibration batches."""
+
+    def build(params: Any, ids: jax.Array, mask: jax.Array) -> tuple[Apply, Any]:
+        import qwix  # noqa: PLC0415 - optional comparison
+        from qwix.contrib import gptq  # noqa: PLC0415
+
+        kw = {k: getattr(jnp, v) if v in ("int8", "int4") else v for k, v in rule.items()}
+        cal_rules = [gptq.GptqRule(module_path=ENCODER_DENSE, op_names=("dot_general",), **kw)]
+        cal_model = qwix.quantize_model(MiniLM(), gptq.GptqCalibrationProvider(cal_rules))
+        step = jax.jit(
+            lambda qs, i, m: cal_model.apply(
+                {"params": params, "quant_stats": qs}, i, m, mutable="quant_stats"
+            )[1]["quant_stats"]
+        )
+        _, first = cal_model.apply({"params": params}, *CALIBRATION[0], mutable="quant_stats")
+        stats = first["quant_stats"]
+        for i, m in CALIBRATION[1:]:
+            stats = step(stats, i, m)
+        rules = [qwix.QtRule(module_path=ENCODER_DENSE, op_names=("dot_general",), **kw)]
+        qmodel = qwix.quantize_model(MiniLM(), qwix.PtqProvider(rules))
+        abstract = jax.eval_shape(qmodel.init, jax.random.key(0), ids, mask)["params"]
+        qparams = gptq.quantize_params(params, abstract, stats)
+        return jax.jit(lambda p, i, m: qmodel.apply({"params": p}, i, m)), qparams
+
+    return build
+
+
 # Rules per configuration name, shared by the qflax and the Qwix rows.
 RULES: dict[str, dict[str, Any]] = {
     # One activation scale per token (Qwix's only dynamic granularity on (B, T, D) inputs).
@@ -138,7 +291,14 @@ CONFIGS: list[Config] = [Config("float32", "-", float_model)]
 CONFIGS += [Config(name, "qflax", qflax_ptq(**rule)) for name, rule in RULES.items()]
 # qflax's default act_batch_axes=(0,): one activation scale per sequence.
 CONFIGS += [Config("w8a8 per-seq", "qflax", qflax_ptq(weight_qtype="int8", act_qtype="int8"))]
+CONFIGS += [
+    Config("int4 GPTQ t128", "qflax", qflax_gptq()),
+    Config("int4 GPTQ t128 act-order", "qflax", qflax_gptq(act_order=True)),
+    Config("int4 AWQ t128", "qflax", qflax_awq(layernorm_fold_into)),
+    Config("mixed ≤0.2×", "qflax", qflax_mixed(0.2)),
+]
 CONFIGS += [Config(name, "qwix", qwix_ptq(**rule)) for name, rule in RULES.items()]
+CONFIGS += [Config("int4 GPTQ t128", "qwix", qwix_gptq(**INT4_T128))]
 
 
 def stdlib_sentences() -> list[str]:
@@ -232,7 +392,11 @@ def main(argv: list[str] | None = None) -> int:
     qwix = load_qwix(args.no_qwix)
     configs = [c for c in CONFIGS if c.library != "qwix" or qwix is not None]
     if args.only:
-        configs = [c for c in configs if c.name == "float32" or any(s in c.name for s in args.only)]
+        configs = [
+            c
+            for c in configs
+            if c.name == "float32" or any(s in f"{c.library} {c.name}" for s in args.only)
+        ]
 
     tok = load_tokenizer()
     params = jax.tree.map(jnp.asarray, load_params())
@@ -241,6 +405,13 @@ def main(argv: list[str] | None = None) -> int:
     order = np.random.default_rng(SEED).permutation(len(pool))[: args.sentences]
     sentences = [pool[i] for i in sorted(order)]
     ids, mask = tokenize(tok, sentences)
+    # Calibration: the next sentences of the same permutation (never evaluation ones).
+    rest = np.random.default_rng(SEED).permutation(len(pool))[args.sentences :]
+    cal_ids, cal_mask = tokenize(tok, [pool[i] for i in sorted(rest[:CALIBRATION_SENTENCES])])
+    CALIBRATION[:] = [
+        (jnp.asarray(cal_ids[i : i + BATCH]), jnp.asarray(cal_mask[i : i + BATCH]))
+        for i in range(0, len(cal_ids), BATCH)
+    ]
     print(f"{len(sentences)} of {len(pool)} stdlib docstring sentences, ids {ids.shape}")
     info = machine() | {"qwix": getattr(qwix, "__version__", None), "qflax": qflax.__version__}
     info |= {
@@ -250,6 +421,8 @@ def main(argv: list[str] | None = None) -> int:
         "sentence_pool": len(pool),
         "batch": [BATCH, int(ids.shape[1])],
         "truncated": int(np.sum(mask[:, -1])),
+        "calibration_sentences": len(cal_ids),
+        "mixed_precision_calibration_sentences": min(MP_BATCHES * BATCH, len(cal_ids)),
     }
     print(json.dumps(info, indent=1), flush=True)
 
@@ -266,6 +439,7 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as e:  # noqa: BLE001 - a failing config is reported, not fatal
             failed[key] = f"{type(e).__name__}: {e}".splitlines()[0][:300]
             print(f"[{key}] FAILED: {failed[key]}", flush=True)
+            traceback.print_exc()
             continue
         built[key] = (c, apply, p)
         print(f"[{key}] done in {time.perf_counter() - t0:.1f} s", flush=True)
