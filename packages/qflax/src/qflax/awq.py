@@ -53,7 +53,7 @@ from flax import nnx, traverse_util
 
 import qcore
 from qflax import folding
-from qflax.calibration import LayerStats, collect
+from qflax.calibration import LayerStats, stats_or_collect
 from qflax.progress import track
 from qflax.qparam import QuantizedParam
 from qflax.rule import QuantizationRule
@@ -100,19 +100,18 @@ def awq(
     """
     if not (isinstance(grid, int) and grid > 0):
         raise ValueError(f"grid={grid!r} must be a positive int")
-    if stats is None:
-        if calibration_batches is None:
-            raise ValueError("no calibration data: pass calibration_batches (or stats)")
-        stats = collect(model, params, rules, calibration_batches, method=method, progress=progress)
+    stats = stats_or_collect(
+        stats, model, params, rules, calibration_batches, method=method, progress=progress
+    )
     folds = folding.plan(model, params, stats, fold_into)
     out = dict(folds.flat)
-    for ts, members in progress_over(folds.groups, progress):
+    for ts, members in track(list(folds.groups.items()), "AWQ layers", progress):
         weights = [(folds.weight(w, stats[w]), stats[w]) for w in members]
         s = search_scale(weights, grid) if ts else None
         if s is not None:
             folds.fold(out, ts, s)
         for w, (wc, layer) in zip(members, weights, strict=True):
-            folds.put(out, w, QuantizedParam(_quantize_scaled(wc, layer, s), layer.recipe))
+            folds.put(out, w, QuantizedParam(folding.quantize_scaled(wc, layer, s), layer.recipe))
     return traverse_util.unflatten_dict(out)
 
 
@@ -143,18 +142,9 @@ def search_scale(weights: Sequence[tuple[jax.Array, LayerStats]], grid: int = 20
 
 
 def _output_error(w: jax.Array, layer: LayerStats, s: jax.Array) -> jax.Array:
-    q = qcore.dequantize(_quantize_scaled(w, layer, s), jnp.float32)
+    q = qcore.dequantize(folding.quantize_scaled(w, layer, s), jnp.float32)
     axis = layer.site.axis
-    d = jnp.moveaxis(w.astype(jnp.float32) - q / _along(s, w.ndim, axis), axis, 0)
+    d = jnp.moveaxis(w.astype(jnp.float32) - q / folding.along(s, w.ndim, axis), axis, 0)
     d = d.reshape(d.shape[0], -1)
     h = layer.mean_hessian()
     return jnp.sum(d * jnp.matmul(h, d, precision=jax.lax.Precision.HIGHEST))
-
-
-_quantize_scaled = folding.quantize_scaled
-_along = folding.along
-
-
-def progress_over(groups: dict[tuple[str, ...], list[str]], enabled: bool) -> Any:
-    """``groups.items()`` with a progress display over weight groups."""
-    return track(list(groups.items()), "AWQ layers", enabled)

@@ -340,3 +340,31 @@ def _batch_stats(x: jax.Array, hessian: bool) -> dict[str, jax.Array]:
     if hessian:
         s["hessian"] = jnp.einsum("nk,nl->kl", x, x, precision=jax.lax.Precision.HIGHEST)
     return s
+
+
+def stats_or_collect(
+    stats: dict[str, LayerStats] | None,
+    model: Any,
+    params: Any,
+    rules: Sequence[QuantizationRule],
+    calibration_batches: Iterable[Any] | None,
+    *,
+    hessian: bool = True,
+    method: str = "__call__",
+    progress: bool = True,
+) -> dict[str, LayerStats]:
+    """``stats`` if given, else :func:`collect` on ``calibration_batches`` (the algorithms' input).
+
+    Raises:
+        ValueError: If both are None.
+    """
+    if stats is not None:
+        return stats
+    if calibration_batches is None:
+        raise ValueError(
+            "no calibration data: calibration_batches=None; pass an iterable of model "
+            "inputs (or stats=qflax.calibration.collect(...))"
+        )
+    return collect(
+        model, params, rules, calibration_batches, hessian=hessian, method=method, progress=progress
+    )

@@ -24,6 +24,7 @@ from flax import nnx, traverse_util
 import qcore
 from qflax.calibration import LayerStats
 from qflax.context import box_leaves
+from qflax.params import is_leaf, plain
 from qflax.qparam import QuantizedParam, to_compute_layout
 
 Key = tuple[Any, ...]
@@ -83,7 +84,7 @@ def plan(
     tree = (
         nnx.to_pure_dict(nnx.state(model, nnx.Param)) if isinstance(model, nnx.Module) else params
     )
-    flat = traverse_util.flatten_dict(plain(tree), is_leaf=lambda _, x: boxed(x))
+    flat = traverse_util.flatten_dict(plain(tree), is_leaf=lambda _, x: is_leaf(x))
     keys = {"/".join(str(k) for k in key): key for key in flat}
     floats = [p for p in keys if p not in stats]
     targets: dict[str, tuple[str, ...]] = {}
@@ -169,10 +170,3 @@ def weight(raw: Any, layer: LayerStats) -> jax.Array:
             f"layer of shape {layer.recipe.shape}; stacked weights are not supported"
         )
     return to_compute_layout(v, layer.recipe)
-
-
-def plain(tree: Any) -> Any:
-    """Nested mappings as plain dicts (boxes kept as leaves)."""
-    if hasattr(tree, "items") and not boxed(tree):
-        return {k: plain(v) for k, v in tree.items()}
-    return tree

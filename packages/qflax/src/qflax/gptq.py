@@ -60,8 +60,9 @@ import numpy as np
 from flax import nnx, traverse_util
 
 import qcore
-from qflax.calibration import LayerStats, collect
+from qflax.calibration import LayerStats, stats_or_collect
 from qflax.context import box_leaves
+from qflax.params import is_leaf, plain
 from qflax.progress import track
 from qflax.qparam import QuantizedParam, to_compute_layout
 from qflax.rule import QuantizationRule
@@ -116,22 +117,19 @@ def gptq(
         raise ValueError(f"block_size={block_size!r} must be a positive int")
     if not damping >= 0:
         raise ValueError(f"damping={damping!r} must be >= 0")
-    if stats is None:
-        if calibration_batches is None:
-            raise ValueError("no calibration data: pass calibration_batches (or stats)")
-        stats = collect(model, params, rules, calibration_batches, method=method, progress=progress)
+    stats = stats_or_collect(
+        stats, model, params, rules, calibration_batches, method=method, progress=progress
+    )
     if isinstance(model, nnx.Module):
         tree = nnx.to_pure_dict(nnx.state(model, nnx.Param))
     elif isinstance(model, nn.Module):
         tree = params
     else:
         raise ValueError(f"model={type(model).__name__} is neither a flax.linen nor an nnx.Module")
-    flat = traverse_util.flatten_dict(
-        _plain(tree), is_leaf=lambda _, x: isinstance(x, nn.meta.AxisMetadata)
-    )
+    flat = traverse_util.flatten_dict(plain(tree), is_leaf=lambda _, x: is_leaf(x))
     by_path = {"/".join(str(k) for k in key): key for key in flat}
     out = dict(flat)
-    for path, layer in progress_over(stats, progress):
+    for path, layer in track(list(stats.items()), "GPTQ layers", progress):
         if layer.hessian is None:
             raise ValueError(f"stats[{path!r}] has no Hessian: collect(..., hessian=True)")
         if path not in by_path:
@@ -159,17 +157,6 @@ def gptq(
         qp = QuantizedParam(qa, recipe)
         out[key] = box_leaves(raw, qp) if isinstance(raw, nn.meta.AxisMetadata) else qp
     return traverse_util.unflatten_dict(out)
-
-
-def progress_over(stats: dict[str, LayerStats], enabled: bool) -> Any:
-    """``stats.items()`` with a progress display over layers."""
-    return track(list(stats.items()), "GPTQ layers", enabled)
-
-
-def _plain(tree: Any) -> Any:
-    if hasattr(tree, "items") and not isinstance(tree, nn.meta.AxisMetadata):
-        return {k: _plain(v) for k, v in tree.items()}
-    return tree
 
 
 def quantize_weight(

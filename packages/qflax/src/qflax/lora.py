@@ -70,6 +70,7 @@ from jax import lax
 from qflax import module_path
 from qflax.context import CallContext, Mode, Source
 from qflax.opcall import OpCall, bind
+from qflax.params import plain
 from qflax.provider import PtqProvider, Weight
 from qflax.qparam import QuantizedParam
 from qflax.rule import QuantizationRule
@@ -554,7 +555,7 @@ def split_params(params: Any) -> tuple[dict, dict]:
     base never enters the gradient.
     """
     flat = traverse_util.flatten_dict(
-        _plain(params), is_leaf=lambda _, x: isinstance(x, QuantizedParam | nn.meta.AxisMetadata)
+        plain(params), is_leaf=lambda _, x: isinstance(x, QuantizedParam | nn.meta.AxisMetadata)
     )
     lora = {k: v for k, v in flat.items() if is_lora_param(k)}
     frozen = {k: v for k, v in flat.items() if not is_lora_param(k)}
@@ -564,12 +565,6 @@ def split_params(params: Any) -> tuple[dict, dict]:
 def merge_params(lora: Any, frozen: Any) -> dict:
     """The inverse of :func:`split_params`."""
     is_leaf = lambda _, x: isinstance(x, QuantizedParam | nn.meta.AxisMetadata)  # noqa: E731
-    flat = traverse_util.flatten_dict(_plain(frozen), is_leaf=is_leaf)
-    flat.update(traverse_util.flatten_dict(_plain(lora), is_leaf=is_leaf))
+    flat = traverse_util.flatten_dict(plain(frozen), is_leaf=is_leaf)
+    flat.update(traverse_util.flatten_dict(plain(lora), is_leaf=is_leaf))
     return traverse_util.unflatten_dict(flat)
-
-
-def _plain(tree: Any) -> Any:
-    if hasattr(tree, "items") and not isinstance(tree, QuantizedParam | nn.meta.AxisMetadata):
-        return {k: _plain(v) for k, v in tree.items()}
-    return tree

@@ -112,7 +112,8 @@ def quantize_params(
     return traverse_util.unflatten_dict(out)
 
 
-def _is_leaf(x: Any) -> bool:
+def is_leaf(x: Any) -> bool:
+    """Whether ``x`` ends a params tree (quantized params, scales, boxes, NNX variables)."""
     return isinstance(x, QuantizedParam | ActScale | nn.meta.AxisMetadata | nnx.Variable)
 
 
@@ -122,17 +123,17 @@ def _flatten(tree: Any) -> dict[Path, Any]:
         tree = nnx.state(tree)
     if isinstance(tree, nnx.State):
         tree = nnx.to_pure_dict(tree)
-    flat = traverse_util.flatten_dict(_plain(tree), is_leaf=lambda _, x: _is_leaf(x))
+    flat = traverse_util.flatten_dict(plain(tree), is_leaf=lambda _, x: is_leaf(x))
     result = {}
     for path, leaf in flat.items():
         result[tuple(str(p) for p in path)] = nn.meta.unbox(leaf)
     return result
 
 
-def _plain(tree: Any) -> Any:
+def plain(tree: Any) -> Any:
     """Nested mappings (FrozenDict, State) as plain dicts."""
-    if hasattr(tree, "items") and not _is_leaf(tree):
-        return {k: _plain(v) for k, v in tree.items()}
+    if hasattr(tree, "items") and not is_leaf(tree):
+        return {k: plain(v) for k, v in tree.items()}
     return tree
 
 

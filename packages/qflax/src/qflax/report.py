@@ -60,6 +60,7 @@ from flax import nnx, traverse_util
 
 import qcore
 from qflax.model import quantize_model
+from qflax.params import plain
 from qflax.progress import track
 from qflax.provider import PtqProvider, Weight
 from qflax.qparam import QuantizedParam, stand_in
@@ -266,15 +267,9 @@ class Runner:
 
 def _flat_params(tree: Any) -> dict[str, Any]:
     flat = traverse_util.flatten_dict(
-        _plain(tree), is_leaf=lambda _, x: isinstance(x, QuantizedParam)
+        plain(tree), is_leaf=lambda _, x: isinstance(x, QuantizedParam)
     )
     return {"/".join(str(p) for p in k): v for k, v in flat.items()}
-
-
-def _plain(tree: Any) -> Any:
-    if hasattr(tree, "items") and not isinstance(tree, QuantizedParam):
-        return {k: _plain(v) for k, v in tree.items()}
-    return tree
 
 
 def _leaves(out: Any) -> list[np.ndarray]:

@@ -60,7 +60,7 @@ import jax.numpy as jnp
 from flax import nnx, traverse_util
 
 from qflax import folding
-from qflax.calibration import LayerStats, collect
+from qflax.calibration import LayerStats, stats_or_collect
 from qflax.progress import track
 from qflax.qparam import QuantizedParam
 from qflax.rule import QuantizationRule
@@ -113,21 +113,16 @@ def smoothquant(
             "number in [0, 1] (0: activations unchanged, 1: all of their range moved into "
             "the weights; 0.5 is the usual choice)"
         )
-    if stats is None:
-        if calibration_batches is None:
-            raise ValueError(
-                "no calibration data: calibration_batches=None; pass an iterable of model "
-                "inputs (or stats=qflax.calibration.collect(...))"
-            )
-        stats = collect(
-            model,
-            params,
-            rules,
-            calibration_batches,
-            hessian=False,
-            method=method,
-            progress=progress,
-        )
+    stats = stats_or_collect(
+        stats,
+        model,
+        params,
+        rules,
+        calibration_batches,
+        hessian=False,
+        method=method,
+        progress=progress,
+    )
     folds = folding.plan(model, params, stats, fold_into)
     out = dict(folds.flat)
     groups = track(list(folds.groups.items()), "SmoothQuant layers", progress)
