@@ -56,7 +56,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import traverse_util
-from minilm_model import LAYERS, MiniLM, load_params, load_tokenizer, tokenize
+from minilm_model import MiniLM, load_params, load_tokenizer, tokenize
 from ops import load_qwix, machine, measured_on, replace_section
 
 import qflax
@@ -166,37 +166,18 @@ def qflax_gptq(**kw: Any) -> Build:
     return build
 
 
-def layernorm_fold_into() -> dict[str, list[str]]:
-    """AWQ fold targets: the LayerNorm (scale and bias) that produces each op's input.
+def qflax_awq() -> Build:
+    """qflax AWQ (``qflax.awq.awq``) with the int4 t128 rule, on the calibration batches.
 
-    query/key/value of layer i fold into the LayerNorm before the layer (the embeddings'
-    for layer 0), intermediate into the layer's attention_LayerNorm. The attention
-    output and output projections have no float predecessor to fold into (qflax folds
-    only into float params; value and intermediate are quantized) and get plain RTN.
-    Caveat: in this post-LayerNorm BERT each LayerNorm output also feeds the residual
-    sum, which the folded ``1/s`` scales too, so the AWQ model is not the float model
-    with rescaled weights.
+    Each weight carries its own input-channel scale (no ``fold_into``): folding into
+    this post-LayerNorm BERT's LayerNorms would also scale the residual sums they feed.
     """
-    out: dict[str, list[str]] = {}
-    for i in range(LAYERS):
-        ln = "embeddings/LayerNorm" if i == 0 else f"layer_{i - 1}/output_LayerNorm"
-        for name in ("query", "key", "value"):
-            out[f"layer_{i}/attention/{name}/kernel"] = [f"{ln}/scale", f"{ln}/bias"]
-        out[f"layer_{i}/intermediate/kernel"] = [
-            f"layer_{i}/attention_LayerNorm/scale",
-            f"layer_{i}/attention_LayerNorm/bias",
-        ]
-    return out
-
-
-def qflax_awq(fold_into: Callable[[], dict[str, list[str]]]) -> Build:
-    """qflax AWQ (``qflax.awq.awq``) with the int4 t128 rule, on the calibration batches."""
 
     def build(params: Any, ids: jax.Array, mask: jax.Array) -> tuple[Apply, Any]:
         from qflax.awq import awq  # noqa: PLC0415
 
         rules = encoder_rules(**INT4_T128)
-        aparams = awq(MiniLM(), params, rules, CALIBRATION, fold_into=fold_into(), progress=False)
+        aparams = awq(MiniLM(), params, rules, CALIBRATION, progress=False)
         return qflax_serve(aparams, ids, mask, rules)
 
     return build
@@ -294,7 +275,7 @@ CONFIGS += [Config("w8a8 per-seq", "qflax", qflax_ptq(weight_qtype="int8", act_q
 CONFIGS += [
     Config("int4 GPTQ t128", "qflax", qflax_gptq()),
     Config("int4 GPTQ t128 act-order", "qflax", qflax_gptq(act_order=True)),
-    Config("int4 AWQ t128", "qflax", qflax_awq(layernorm_fold_into)),
+    Config("int4 AWQ t128", "qflax", qflax_awq()),
     Config("mixed ≤0.2×", "qflax", qflax_mixed(0.2)),
 ]
 CONFIGS += [Config(name, "qwix", qwix_ptq(**rule)) for name, rule in RULES.items()]

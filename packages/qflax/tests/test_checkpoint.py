@@ -73,6 +73,32 @@ def test_safetensors_entry_mismatch_names_the_entry(linen, tmp_path):
         checkpoint.import_safetensors(file, other)
 
 
+def test_awq_params_with_carried_input_scales_round_trip(tmp_path):
+    from qflax.awq import awq
+
+    rules = [Rule(weight_qtype="int4", tile_size=32)]
+    model = zoo.LinenMLP()
+    fparams = model.init(jax.random.key(0), X)["params"]
+    xs = [jax.random.normal(jax.random.key(i), (16, 128)) for i in range(2)]
+    params = awq(model, fparams, rules, xs, progress=False)
+    abstract = jax.eval_shape(lambda: params)
+    qmodel = qflax.quantize_model(model, qflax.PtqProvider(rules))
+    checkpoint.save(tmp_path / "awq", params, rules=rules)
+    file = checkpoint.export_safetensors(tmp_path / "awq.safetensors", params)
+    from safetensors import safe_open
+
+    with safe_open(str(file), framework="numpy") as f:
+        assert "Dense_0/kernel.input_scale" in set(f.keys())
+    for loaded in (
+        checkpoint.load(tmp_path / "awq", abstract),
+        checkpoint.import_safetensors(file, abstract),
+    ):
+        assert_identical(loaded, params)
+        np.testing.assert_array_equal(
+            qmodel.apply({"params": loaded}, X), qmodel.apply({"params": params}, X)
+        )
+
+
 def test_nnx_prequantized_checkpoint_loads_into_an_abstract_model(tmp_path):
     def build():
         return qflax.quantize_model(zoo.NnxMLP(nnx.Rngs(0)), qflax.PtqProvider(NNX_RULES), X)

@@ -1,5 +1,7 @@
 """Calibration collection (qflax.calibration), GPTQ (qflax.gptq) and AWQ (qflax.awq)."""
 
+import dataclasses
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -12,6 +14,7 @@ import qflax
 from qflax.awq import awq
 from qflax.calibration import collect
 from qflax.gptq import gptq, quantize_weight
+from qflax.qparam import stand_in
 
 K, N = 32, 16
 
@@ -417,6 +420,93 @@ def test_awq_beats_rtn_on_inputs_with_outlier_channels():
     np.testing.assert_allclose(
         np.asarray(y), np.asarray(ref + fparams["dense"]["bias"][None]), rtol=1e-4, atol=1e-4
     )
+
+
+def test_awq_carried_scale_beats_rtn_and_is_computed_as_stated():
+    # Without a fold target the scale rides in the QuantizedParam and the op divides
+    # its input by it: the model (and g) stay untouched.
+    tile = 8
+    model = Normed()
+    xs = outlier_inputs(jax.random.key(0))
+    held_out = outlier_inputs(jax.random.key(1), batches=2)
+    fparams = model.init(jax.random.key(2), xs[0])["params"]
+    rules = [qflax.QuantizationRule(weight_qtype="int4", tile_size=tile)]
+    qmodel, rtn = ptq(model, rules, xs[0], fparams)
+    out = awq(model, fparams, rules, xs, progress=False)
+    kernel = out["dense"]["kernel"]
+    assert kernel.recipe.input_scale_axis == 0
+    assert kernel.recipe.spec == rtn["dense"]["kernel"].recipe.spec
+    np.testing.assert_array_equal(np.asarray(out["g"]), np.asarray(fparams["g"]))
+    s = np.asarray(kernel.input_scale, np.float64)
+    assert s.shape == (K,) and np.ptp(s) > 0.1  # a real scale, not ones
+    e_rtn = mae(qmodel, rtn, model, fparams, held_out)
+    e_awq = mae(qmodel, out, model, fparams, held_out)
+    folded = awq(model, fparams, rules, xs, fold_into={"dense/kernel": "g"}, progress=False)
+    e_folded = mae(qmodel, folded, model, fparams, held_out)
+    print(f"AWQ int4 tile={tile}: MAE RTN {e_rtn:.5f} carried {e_awq:.5f} folded {e_folded:.5f}")
+    assert e_awq < 0.95 * e_rtn
+    assert e_awq == pytest.approx(e_folded, rel=1e-3)  # same s, the same model
+    # float64: y = (x * g / s) @ dequantize(Q(s W)) + b
+    x = np.asarray(held_out[0], np.float64)
+    wq = np.asarray(qcore.dequantize(kernel.qarray), np.float64)
+    ref = (x * np.asarray(fparams["g"], np.float64)[None] / s[None]) @ wq
+    ref += np.asarray(fparams["dense"]["bias"], np.float64)[None]
+    y = jax.jit(qmodel.apply)({"params": out}, held_out[0])
+    np.testing.assert_allclose(np.asarray(y, np.float64), ref, rtol=1e-4, atol=1e-4)
+    # What the module sees in place of the weight is Q(s W) / s.
+    np.testing.assert_allclose(
+        np.asarray(stand_in(kernel), np.float64), wq / s[:, None], rtol=1e-6, atol=1e-7
+    )
+
+
+def test_awq_carried_scale_keeps_boxes_and_works_under_nnx():
+    model = Boxed()
+    xs = outlier_inputs(jax.random.key(0), batches=2)
+    fparams = model.init(jax.random.key(1), xs[0])["params"]
+    rules = [qflax.QuantizationRule(weight_qtype="int4", tile_size=8)]
+    out = awq(model, fparams, rules, xs, progress=False)
+    kernel = out["dense"]["kernel"]
+    assert isinstance(kernel.input_scale, nn.Partitioned)
+    assert kernel.input_scale.names == (None,)
+    qmodel = qflax.quantize_model(model, qflax.PtqProvider(rules))
+    y = qmodel.apply({"params": out}, xs[0])
+    plain = nn.meta.unbox(kernel)
+    ref = (xs[0] / plain.input_scale[None]) @ qcore.dequantize(plain.qarray)
+    np.testing.assert_allclose(
+        np.asarray(y), np.asarray(ref + fparams["dense"]["bias"][None]), rtol=1e-4, atol=1e-4
+    )
+
+    class NnxDense(nnx.Module):
+        def __init__(self, rngs):
+            self.dense = nnx.Linear(K, N, rngs=rngs)
+
+        def __call__(self, x):
+            return self.dense(x)
+
+    nmodel = NnxDense(nnx.Rngs(0))
+    nout = awq(nmodel, None, rules, xs, progress=False)
+    ptq_model = nnx.eval_shape(
+        lambda: qflax.quantize_model(NnxDense(nnx.Rngs(0)), qflax.PtqProvider(rules), xs[0])
+    )
+    graphdef, state = nnx.split(ptq_model)
+    nnx.replace_by_pure_dict(state, nout)
+    y = nnx.merge(graphdef, state)(xs[1])
+    nk = nout["dense"]["kernel"]
+    ref = (xs[1] / nk.input_scale[None]) @ qcore.dequantize(nk.qarray)
+    ref = ref + nout["dense"]["bias"][None]
+    np.testing.assert_allclose(np.asarray(y), np.asarray(ref), rtol=1e-4, atol=1e-4)
+
+
+def test_quantized_param_input_scale_must_match_its_recipe():
+    model = Normed()
+    xs = outlier_inputs(jax.random.key(0), batches=1)
+    fparams = model.init(jax.random.key(2), xs[0])["params"]
+    kernel = awq(model, fparams, INT4, xs, progress=False)["dense"]["kernel"]
+    with pytest.raises(ValueError, match=r"input_scale=None does not match .*input_scale_axis=0"):
+        qflax.QuantizedParam(kernel.qarray, kernel.recipe)
+    bare = dataclasses.replace(kernel.recipe, input_scale_axis=None)
+    with pytest.raises(ValueError, match="give both or neither"):
+        qflax.QuantizedParam(kernel.qarray, bare, kernel.input_scale)
 
 
 def test_awq_bad_fold_targets_are_errors():

@@ -10,6 +10,7 @@ import pytest
 import zoo
 from flax import nnx
 
+import qcore
 import qflax
 from qcore import testing
 from qflax.lora import LoraParam, LoraProvider, LoraRule, merge_params, split_params
@@ -102,6 +103,27 @@ def test_linen_dense_output_is_base_plus_scaled_low_rank_path(qtype):
         kernel = stand_in(kernel)  # the base the op computes with
     y = jax.jit(qmodel.apply)(variables, x)
     np.testing.assert_allclose(y, dense_ref(x, kernel, p["bias"], a, b, 1.5), rtol=1e-5, atol=1e-5)
+
+
+def test_qlora_on_an_awq_base_divides_only_the_base_input_by_the_carried_scale():
+    from qflax.awq import awq
+
+    channels = jnp.ones(8).at[2].set(30.0)
+    xs = [jax.random.normal(jax.random.key(i), (32, 8)) * channels[None] for i in range(3)]
+    fparams = nn.Dense(5).init(jax.random.key(0), xs[0])["params"]
+    base = awq(nn.Dense(5), fparams, [qflax.QuantizationRule(weight_qtype="int4", tile_size=4)],
+               xs, progress=False)  # fmt: skip
+    kernel = base["kernel"]
+    s = f64(kernel.input_scale)
+    assert np.ptp(s) > 0.1
+    rule = LoraRule(rank=2, alpha=3.0, b_initializer=RANDOM_B, weight_qtype="int4", tile_size=4)
+    qmodel, variables = linen(rule, nn.Dense(5), xs[0])
+    p = {**variables["params"], "kernel": kernel}
+    a, b = p["dot_general0_lora_a"], p["dot_general0_lora_b"]
+    y = jax.jit(qmodel.apply)({"params": p}, xs[1])
+    w = f64(qcore.dequantize(kernel.qarray)) / s[:, None]  # (x / s) Q(s W) = x (Q(s W) / s)
+    ref = dense_ref(xs[1], w, p["bias"], a, b, 1.5)  # the adapter sees x itself
+    np.testing.assert_allclose(y, ref, rtol=1e-4, atol=1e-4)
 
 
 def test_default_init_starts_at_the_base_model_exactly():

@@ -9,6 +9,7 @@ from flax import nnx
 
 import qcore
 import qflax
+from qcore.testing import primitive_dtypes
 from qflax.smoothquant import smoothquant
 
 K, N = 32, 16
@@ -74,6 +75,34 @@ def test_smoothquant_beats_plain_w8a8_on_inputs_with_outlier_channels():
     assert out["dense"]["kernel"].recipe == plain["dense"]["kernel"].recipe
     assert jax.tree.structure(out) == jax.tree.structure(plain)
     np.testing.assert_array_equal(np.asarray(fparams["g"]), 1.0)  # input untouched
+
+
+def test_carried_scale_keeps_the_integer_path_and_matches_the_folded_one():
+    model, xs, fparams = setup()
+    held_out = outlier_inputs(jax.random.key(1), batches=2)
+    qmodel, plain = ptq(model, W8A8, xs[0], fparams)
+    out = smoothquant(model, fparams, W8A8, xs, progress=False)
+    folded = smoothquant(model, fparams, W8A8, xs, fold_into={"dense/kernel": "g"}, progress=False)
+    kernel = out["dense"]["kernel"]
+    # Same s either way: carried in the param, or as 1/s in g.
+    np.testing.assert_allclose(np.asarray(kernel.input_scale) * np.asarray(folded["g"]), 1.0, 1e-6)
+    np.testing.assert_array_equal(np.asarray(out["g"]), 1.0)
+    e_plain = mae(qmodel, plain, fparams, held_out)
+    e_sq = mae(qmodel, out, fparams, held_out)
+    print(f"w8a8 MAE: plain {e_plain:.5f} SmoothQuant (carried) {e_sq:.5f}")
+    assert e_sq < 0.7 * e_plain
+
+    # The division happens before the int8 quantization: the same integer-code dot as
+    # plain w8a8 runs (qcore contracts the codes as int8 -> int32, or as exact bf16 codes
+    # for this (K, N) weight layout on CPU), never a float32 dequantize-then-dot.
+    def dots(params):
+        return primitive_dtypes(
+            lambda x: qmodel.apply({"params": params}, x), held_out[0], name="dot_general"
+        )
+
+    f32 = jnp.dtype(jnp.float32)
+    assert dots(out) == dots(plain)
+    assert len(dots(out)) == 1 and dots(out)[0][0] != (f32, f32)
 
 
 def test_scale_matches_a_float64_reference():

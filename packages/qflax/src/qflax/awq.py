@@ -1,4 +1,4 @@
-"""AWQ: activation-aware per-input-channel weight scaling, folded into the previous op.
+"""AWQ: activation-aware per-input-channel weight scaling, carried or folded.
 
 AWQ (Lin et al., 2023, "AWQ: Activation-aware Weight Quantization") protects the
 weight rows that meet large activations: with ``s`` one positive scale per input
@@ -10,15 +10,29 @@ the layer's output error on the calibration data,
 Hessian collection serves every candidate; ``alpha = 0`` is plain RTN, so the
 chosen scale never does worse than RTN on the calibration data).
 
-Where ``1/s`` goes: **folded into a previous model parameter** that scales the
-input channels linearly (a LayerNorm/RMSNorm ``scale`` and ``bias``, the previous
-Dense's kernel columns and bias), named per weight in ``fold_into``: its last axis
-is divided by ``s``. The result is then an ordinary float model plus ordinary PTQ
-params (:class:`~qflax.QuantizedParam` with the recipe
-:class:`~qflax.PtqProvider` creates), served by the plain PTQ model and its
-integer path, with no extra op. Weights that share a fold target (e.g. the q, k
-and v projections after one LayerNorm) share one ``s``. Selected weights without
-a fold target are quantized with plain RTN.
+Where ``1/s`` goes, per weight:
+
+* **Carried** (the default, and for every weight not named in ``fold_into``): the
+  :class:`~qflax.QuantizedParam` holds ``Q(s W)`` and ``s`` (its recipe's
+  ``input_scale_axis`` says so), and the PTQ model divides the op's input by
+  ``s`` before quantizing it, so weight-only and integer (w8a8, w4a8) paths both
+  work unchanged, at the cost of one elementwise division of the input per op.
+  Each weight gets its own ``s``. This is always exact: it does not touch the rest
+  of the model.
+* **Folded** into previous model parameters named in ``fold_into``: params that
+  scale the input channels linearly *and feed only the scaled weights* (the
+  previous Dense's kernel columns and bias; a LayerNorm/RMSNorm ``scale`` and
+  ``bias`` when the norm's output goes only into these weights, as in pre-norm
+  transformers). Their last axis is divided by ``s``; the result is an ordinary
+  float model plus ordinary PTQ params with no extra op. Weights that share a
+  fold target (e.g. the q, k and v projections after one LayerNorm) share one
+  ``s``. Folding into a norm whose output also feeds a residual (post-norm BERT)
+  changes the model: carry the scale there instead.
+
+The quantized params load into the plain :class:`~qflax.PtqProvider` model
+(``qmodel.apply({"params": q}, x)``; a carried scale adds one leaf,
+``input_scale``, to the param, so restore checkpoints of them with
+``jax.eval_shape(lambda: q)`` as the abstract tree).
 
 Example:
     >>> import flax.linen as nn, jax, jax.numpy as jnp
@@ -36,9 +50,14 @@ Example:
     >>> model = Block()
     >>> params = model.init(jax.random.key(0), batches[0])["params"]
     >>> rules = [qflax.QuantizationRule(weight_qtype="int4")]
-    >>> q = awq(model, params, rules, batches, fold_into={"dense/kernel": "g"}, progress=False)
-    >>> q["dense"]["kernel"], q["g"].shape
-    (QuantizedParam(int4, shape=(16, 8), compute shape=(16, 8), packed), (16,))
+    >>> q = awq(model, params, rules, batches, progress=False)  # s carried
+    >>> q["dense"]["kernel"], q["dense"]["kernel"].input_scale.shape
+    (QuantizedParam(int4, shape=(16, 8), compute shape=(16, 8), packed, input-scaled), (16,))
+    >>> qmodel = qflax.quantize_model(model, qflax.PtqProvider(rules))
+    >>> y = qmodel.apply({"params": q}, batches[0])
+    >>> folded = awq(model, params, rules, batches, fold_into={"dense/kernel": "g"}, progress=False)
+    >>> folded["dense"]["kernel"], bool(folded["g"][0] != 1.0)  # 1/s is now in g
+    (QuantizedParam(int4, shape=(16, 8), compute shape=(16, 8), packed), True)
 """
 
 from __future__ import annotations
@@ -49,13 +68,11 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-from flax import nnx, traverse_util
+from flax import nnx
 
 import qcore
 from qflax import folding
 from qflax.calibration import LayerStats, stats_or_collect
-from qflax.progress import track
-from qflax.qparam import QuantizedParam
 from qflax.rule import QuantizationRule
 
 
@@ -65,7 +82,7 @@ def awq(
     rules: Sequence[QuantizationRule],
     calibration_batches: Iterable[Any] | None,
     *,
-    fold_into: Mapping[str, str | Sequence[str]],
+    fold_into: Mapping[str, str | Sequence[str]] | None = None,
     grid: int = 20,
     method: str = "__call__",
     stats: dict[str, LayerStats] | None = None,
@@ -82,7 +99,8 @@ def awq(
         fold_into: ``{weight param path: param path(s)}``: the params whose last
             axis (one entry per input channel of the weight) is divided by ``s``.
             They must act linearly and only on this input (a norm's scale and
-            bias, the previous Dense's kernel and bias).
+            bias, the previous Dense's kernel and bias). Weights not named here
+            (all of them by default) carry their ``s``.
         grid: Number of ``alpha`` values tried in ``[0, 1)``.
         method: The model method the batches are inputs of.
         stats: Statistics from :func:`~qflax.calibration.collect` (with the Hessian).
@@ -90,8 +108,9 @@ def awq(
 
     Returns:
         A new nested dict of params (like :func:`qflax.gptq.gptq`'s): AWQ-quantized
-        weights as :class:`~qflax.QuantizedParam`, folded params divided by ``s``,
-        everything else unchanged. Inputs are never modified.
+        weights as :class:`~qflax.QuantizedParam` (with their ``input_scale`` if
+        carried), folded params divided by ``s``, everything else unchanged.
+        Inputs are never modified.
 
     Raises:
         ValueError: No calibration data, unknown or misshaped ``fold_into``
@@ -104,15 +123,7 @@ def awq(
         stats, model, params, rules, calibration_batches, method=method, progress=progress
     )
     folds = folding.plan(model, params, stats, fold_into)
-    out = dict(folds.flat)
-    for ts, members in track(list(folds.groups.items()), "AWQ layers", progress):
-        weights = [(folds.weight(w, stats[w]), stats[w]) for w in members]
-        s = search_scale(weights, grid) if ts else None
-        if s is not None:
-            folds.fold(out, ts, s)
-        for w, (wc, layer) in zip(members, weights, strict=True):
-            folds.put(out, w, QuantizedParam(folding.quantize_scaled(wc, layer, s), layer.recipe))
-    return traverse_util.unflatten_dict(out)
+    return folding.apply(folds, stats, lambda weights: search_scale(weights, grid), "AWQ", progress)
 
 
 def search_scale(weights: Sequence[tuple[jax.Array, LayerStats]], grid: int = 20) -> jax.Array:

@@ -213,7 +213,10 @@ def box_leaves(box: Any, qp: QuantizedParam) -> Any:
         if leaf is not None:
             leaf = box.replace_boxed(leaf).replace(names=axes[key.name])
         boxed.append(leaf)
-    return QuantizedParam(type(qa).tree_unflatten(aux, boxed), qp.recipe)
+    s = qp.input_scale
+    if s is not None:  # one entry per input channel: replicated
+        s = box.replace_boxed(s).replace(names=(None,) * len(s.shape))
+    return QuantizedParam(type(qa).tree_unflatten(aux, boxed), qp.recipe, s)
 
 
 def _linen_args(args: tuple, kwargs: dict, names: tuple[str, ...]) -> tuple:

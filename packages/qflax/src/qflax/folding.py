@@ -1,18 +1,19 @@
-"""Shared by AWQ and SmoothQuant: folding per-input-channel scales into previous params.
+"""Shared by AWQ and SmoothQuant: per-input-channel scales, folded or carried.
 
 Both algorithms rescale the input channels of a quantized weight, ``x W = (x / s)
-(s W)``, and fold ``1/s`` into float params that scale the weight's input linearly
-(a norm's scale and bias, the previous Dense's kernel columns and bias), named
-per weight in a ``fold_into`` mapping. :func:`plan` checks that mapping against
-the collected statistics and the params and groups weights that share fold
-targets; :func:`fold` divides the targets' last axis by ``s``; :func:`put` stores
-a quantized weight (keeping its box, if any). Private to qflax.
+(s W)``, and either fold ``1/s`` into float params that scale the weight's input
+linearly (a norm's scale and bias, the previous Dense's kernel columns and bias),
+named per weight in a ``fold_into`` mapping, or carry ``s`` in the
+:class:`~qflax.QuantizedParam` (``Recipe.input_scale_axis``), whose op divides its
+input by ``s``. :func:`plan` checks the mapping against the collected statistics
+and the params and groups weights that share fold targets; :func:`apply` runs an
+algorithm's scale function over the groups and writes the result. Private to qflax.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import flax.linen as nn
@@ -25,6 +26,7 @@ import qcore
 from qflax.calibration import LayerStats
 from qflax.context import box_leaves
 from qflax.params import is_leaf, plain
+from qflax.progress import track
 from qflax.qparam import QuantizedParam, to_compute_layout
 
 Key = tuple[Any, ...]
@@ -62,11 +64,43 @@ class Plan:
         out[self.keys[path]] = box_leaves(raw, qp) if boxed(raw) else qp
 
 
+ScaleFn = Callable[[Sequence[tuple[jax.Array, LayerStats]]], jax.Array]
+
+
+def apply(
+    folds: Plan, stats: Mapping[str, LayerStats], scale: ScaleFn, what: str, progress: bool
+) -> dict:
+    """Quantizes every weight of ``stats`` times its scale; folds or carries the scale.
+
+    Weights sharing fold targets get one ``scale(their (weight, stats) pairs)``,
+    folded into the targets; a weight without a fold target gets its own, carried
+    in its :class:`~qflax.QuantizedParam`. Returns a new nested dict of params.
+    """
+    out = dict(folds.flat)
+    units: list[tuple[tuple[str, ...], list[str]]] = []
+    for ts, members in folds.groups.items():
+        units += [(ts, members)] if ts else [((), [w]) for w in members]
+    for ts, members in track(units, f"{what} layers", progress):
+        weights = [(folds.weight(w, stats[w]), stats[w]) for w in members]
+        s = scale(weights)
+        if ts:
+            folds.fold(out, ts, s)
+        for w, (wc, layer) in zip(members, weights, strict=True):
+            qa = quantize_scaled(wc, layer, s)
+            if ts:
+                qp = QuantizedParam(qa, layer.recipe)
+            else:
+                recipe = dataclasses.replace(layer.recipe, input_scale_axis=layer.site.axis)
+                qp = QuantizedParam(qa, recipe, s)
+            folds.put(out, w, qp)
+    return traverse_util.unflatten_dict(out)
+
+
 def plan(
     model: Any,
     params: Any,
     stats: Mapping[str, LayerStats],
-    fold_into: Mapping[str, str | Sequence[str]],
+    fold_into: Mapping[str, str | Sequence[str]] | None,
 ) -> Plan:
     """Checks ``fold_into`` against the quantized weights and the params, and groups them.
 
@@ -76,6 +110,8 @@ def plan(
             number of input channels; a target shared by weights with different
             target sets. Messages name the entry, the value and what is allowed.
     """
+    if fold_into is None:
+        fold_into = {}
     if not isinstance(fold_into, Mapping):
         raise ValueError(
             f"fold_into={fold_into!r} must be a mapping {{weight path: param path(s)}}, "
@@ -132,10 +168,9 @@ def plan(
     return Plan(flat, keys, groups)
 
 
-def quantize_scaled(w: jax.Array, layer: LayerStats, s: jax.Array | None) -> qcore.QArray:
+def quantize_scaled(w: jax.Array, layer: LayerStats, s: jax.Array) -> qcore.QArray:
     """Quantizes the compute-layout weight ``w`` times ``s`` (along its contracting axis)."""
-    if s is not None:
-        w = (w.astype(jnp.float32) * along(s, w.ndim, layer.site.axis)).astype(w.dtype)
+    w = (w.astype(jnp.float32) * along(s, w.ndim, layer.site.axis)).astype(w.dtype)
     return qcore.quantize(w, layer.recipe.spec)
 
 

@@ -320,9 +320,10 @@ class LoraProvider(PtqProvider):
         if rule.weight_qtype is not None:
             spec = rule.weight_spec(w.ndim, contracting)
             assert spec is not None
-            qa = self._weight(ctx, Weight(spec, source), w)
-            operands: list[Any] = [x, x]
-            operands[wi] = qa
+            plans: list[Any] = [None, None]
+            plans[wi] = Weight(spec, source)
+            operands: list[Any] = [self._scaled_input(call, plans, wi, x)] * 2
+            operands[wi] = self._weight(ctx, plans[wi], w)
             base = call.run(*operands)
         else:
             base = original(*args, **kwargs)

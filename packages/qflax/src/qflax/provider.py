@@ -33,7 +33,14 @@ import qcore
 from qflax import stats
 from qflax.context import CallContext, Mode, Source
 from qflax.opcall import OpCall, bind
-from qflax.qparam import ActScale, QuantizedParam, Recipe, ScaleRecipe, quantize_param
+from qflax.qparam import (
+    ActScale,
+    QuantizedParam,
+    Recipe,
+    ScaleRecipe,
+    divide_along,
+    quantize_param,
+)
 from qflax.rotation import Hadamard, rotate
 from qflax.rule import QuantizationRule, RuleMatcher
 
@@ -249,17 +256,38 @@ class PtqProvider(Provider):
 
     def compute(self, ctx, call, plans, module, path):  # noqa: D102 - see Provider
         sites = _Sites(ctx, module, path)
-        operands = []
-        for x, plan in zip(call.operands, plans, strict=True):
+        operands: list[Any] = list(call.operands)
+        for i, plan in enumerate(plans):
             if isinstance(plan, Weight):
-                operands.append(self._weight(ctx, plan, x))
-            elif isinstance(plan, Activation) and plan.spec is not None:
-                operands.append(qcore.quantize(x, plan.spec))
+                operands[i] = self._weight(ctx, plan, call.operands[i])
+                operands[1 - i] = self._scaled_input(call, plans, i, operands[1 - i])
+        for i, plan in enumerate(plans):
+            if isinstance(plan, Activation) and plan.spec is not None:
+                operands[i] = qcore.quantize(operands[i], plan.spec)
             elif isinstance(plan, Activation):
-                operands.append(_static_quantize(x, plan.qtype, self._scale(ctx, sites, plan, x)))
-            else:
-                operands.append(x)
+                scale = self._scale(ctx, sites, plan, operands[i])
+                operands[i] = _static_quantize(operands[i], plan.qtype, scale)
         return call.run(*operands)
+
+    def _scaled_input(
+        self, call: OpCall, plans: Sequence[Weight | Activation | None], i: int, x: Any
+    ) -> Any:
+        """``x`` (operand ``1 - i``) divided by the input scale weight ``i`` carries, if any."""
+        plan = plans[i]
+        assert isinstance(plan, Weight)
+        qp = plan.source.value
+        if not isinstance(qp, QuantizedParam) or qp.input_scale is None:
+            return x
+        axis = qp.recipe.input_scale_axis
+        if call.contracting[i] != (axis,) or isinstance(plans[1 - i], Weight):
+            raise ValueError(
+                f"param {plan.source.path!r} carries a per-input-channel scale for its "
+                f"compute-layout axis {axis} (AWQ/SmoothQuant), but {call.name} contracts its "
+                f"axes {call.contracting[i]} with "
+                f"{'another param' if isinstance(plans[1 - i], Weight) else 'an input'}; "
+                "allowed: an op contracting exactly that axis with an activation"
+            )
+        return divide_along(x, qp.input_scale, call.contracting[1 - i][0])
 
     def _weight(self, ctx: CallContext, plan: Weight, x: jax.Array) -> qcore.QArray:
         source = plan.source

@@ -63,6 +63,11 @@ class Recipe:
         rotation: A :class:`~qflax.rotation.Hadamard` rotation applied to the
             compute-layout weight before quantizing (the QArray holds the
             rotated weight), or None.
+        input_scale_axis: If not None, the :class:`QuantizedParam` carries a
+            per-input-channel scale ``s`` for this compute-layout axis (the
+            op's contracting axis): the QArray holds ``s * W`` and the op's
+            other operand is divided by ``s`` (AWQ and SmoothQuant without a
+            fold target; see :mod:`qflax.awq`).
     """
 
     spec: qcore.HowToQuantize
@@ -71,6 +76,7 @@ class Recipe:
     dtype: np.dtype
     compute_dtype: np.dtype
     rotation: Hadamard | None = None
+    input_scale_axis: int | None = None
 
     def compute_shape(self) -> tuple[int, ...]:
         """The parameter's shape after the transforms."""
@@ -80,33 +86,42 @@ class Recipe:
         return tuple(shape)
 
 
-class _Recorded:
-    """A pytree of one child (named by ``_child``) with a static ``recipe``."""
+class QuantizedParam:
+    """A quantized weight in the param tree: a QArray plus its :class:`Recipe`.
 
-    __slots__ = ()
-    _child = ""
+    Args:
+        qarray: The quantized weight, in the recipe's compute layout.
+        recipe: How it was made (static).
+        input_scale: With ``recipe.input_scale_axis`` set, the ``(K,)`` float32
+            per-input-channel scale ``s`` (the QArray holds ``s * W``); else None.
+    """
+
+    __slots__ = ("input_scale", "qarray", "recipe")
+
+    def __init__(
+        self, qarray: qcore.QArray, recipe: Recipe, input_scale: jax.Array | None = None
+    ) -> None:
+        if (input_scale is None) != (recipe.input_scale_axis is None):
+            raise ValueError(
+                f"input_scale={'None' if input_scale is None else 'an array'} does not match "
+                f"recipe.input_scale_axis={recipe.input_scale_axis}: give both or neither"
+            )
+        self.qarray = qarray
+        self.recipe = recipe
+        self.input_scale = input_scale
 
     def tree_flatten_with_keys(self):  # noqa: D102 - pytree protocol
-        child = getattr(self, self._child)
-        return ((jax.tree_util.GetAttrKey(self._child), child),), self.recipe  # type: ignore[attr-defined]
+        children: list[tuple[Any, Any]] = [(jax.tree_util.GetAttrKey("qarray"), self.qarray)]
+        if self.recipe.input_scale_axis is not None:
+            children.append((jax.tree_util.GetAttrKey("input_scale"), self.input_scale))
+        return tuple(children), self.recipe
 
     @classmethod
     def tree_unflatten(cls, recipe, children):  # noqa: D102 - pytree protocol
         obj = object.__new__(cls)
-        setattr(obj, cls._child, children[0])
-        obj.recipe = recipe  # type: ignore[attr-defined]
+        obj.qarray, obj.recipe = children[0], recipe
+        obj.input_scale = children[1] if len(children) > 1 else None
         return obj
-
-
-class QuantizedParam(_Recorded):
-    """A quantized weight in the param tree: a QArray plus its :class:`Recipe`."""
-
-    __slots__ = ("qarray", "recipe")
-    _child = "qarray"
-
-    def __init__(self, qarray: qcore.QArray, recipe: Recipe) -> None:
-        self.qarray = qarray
-        self.recipe = recipe
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -121,8 +136,10 @@ class QuantizedParam(_Recorded):
 
     @property
     def nbytes(self) -> int:
-        """Bytes of codes, scales and zero points."""
-        return self.qarray.nbytes
+        """Bytes of codes, scales, zero points and the input scale, if any."""
+        s = self.input_scale
+        extra = 0 if s is None else int(np.prod(s.shape)) * jnp.dtype(s.dtype).itemsize
+        return self.qarray.nbytes + extra
 
     def __getitem__(self, index: Any) -> QuantizedParam:
         # nnx.Variable.get_value indexes with ``...`` before its hooks run.
@@ -133,9 +150,10 @@ class QuantizedParam(_Recorded):
     def __repr__(self) -> str:
         spec = self.recipe.spec
         packed = ", packed" if spec.pack else ""
+        scaled = ", input-scaled" if self.recipe.input_scale_axis is not None else ""
         return (
             f"QuantizedParam({spec.resolved_qtype.name}, shape={self.recipe.shape}, "
-            f"compute shape={self.recipe.compute_shape()}{packed})"
+            f"compute shape={self.recipe.compute_shape()}{packed}{scaled})"
         )
 
 
@@ -155,15 +173,21 @@ class ScaleRecipe:
     stat: str
 
 
-class ActScale(_Recorded):
+class ActScale:
     """A stored static activation scale (per tensor) and its :class:`ScaleRecipe`."""
 
     __slots__ = ("recipe", "scale")
-    _child = "scale"
 
     def __init__(self, scale: jax.Array, recipe: ScaleRecipe) -> None:
         self.scale = scale
         self.recipe = recipe
+
+    def tree_flatten_with_keys(self):  # noqa: D102 - pytree protocol
+        return ((jax.tree_util.GetAttrKey("scale"), self.scale),), self.recipe
+
+    @classmethod
+    def tree_unflatten(cls, recipe, children):  # noqa: D102 - pytree protocol
+        return cls(children[0], recipe)
 
     def __repr__(self) -> str:
         return f"ActScale({self.recipe.qtype}, from {self.recipe.stat!r})"
@@ -218,6 +242,9 @@ def stand_in(qp: QuantizedParam) -> jax.Array:
     lead = x.ndim - len(qp.recipe.compute_shape())
     if qp.recipe.rotation is not None:  # undo it: the module sees the float weight
         x = rotate(x, lead + qp.recipe.rotation.axis, qp.recipe.rotation.seed, inverse=True)
+    if qp.input_scale is not None:  # the QArray holds s * W
+        assert qp.recipe.input_scale_axis is not None
+        x = divide_along(x, qp.input_scale, lead + qp.recipe.input_scale_axis)
     shapes = [qp.recipe.shape]
     for kind, arg in qp.recipe.transforms:
         prev = shapes[-1]
@@ -231,3 +258,17 @@ def stand_in(qp: QuantizedParam) -> jax.Array:
             inverse = tuple(int(i) for i in np.argsort(arg))
             x = jnp.transpose(x, tuple(range(lead)) + tuple(lead + a for a in inverse))
     return x.astype(qp.recipe.dtype)
+
+
+def divide_along(x: jax.Array, s: jax.Array, axis: int) -> jax.Array:
+    """``x / s`` with ``s`` (shape ``(x.shape[axis],)``) along ``axis``, in float32, as x's dtype.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from qflax.qparam import divide_along
+        >>> divide_along(jnp.ones((2, 3)), jnp.array([1.0, 2.0, 4.0]), 1).tolist()
+        [[1.0, 0.5, 0.25], [1.0, 0.5, 0.25]]
+    """
+    shape = [1] * x.ndim
+    shape[axis] = s.shape[-1]
+    return (x.astype(jnp.float32) / s.astype(jnp.float32).reshape(shape)).astype(x.dtype)

@@ -1,4 +1,4 @@
-"""SmoothQuant: migrate activation outliers into the weights, folded into the previous op.
+"""SmoothQuant: migrate activation outliers into the weights with a per-channel scale.
 
 SmoothQuant (Xiao et al., 2023, "SmoothQuant: Accurate and Efficient Post-Training
 Quantization for Large Language Models") makes activations easier to quantize
@@ -15,14 +15,17 @@ all output channels of every weight sharing the input) balances the two ranges:
 into the weights; 0.5 is the paper's default. A channel with ``max|x_j| = 0`` or
 ``max|W_j| = 0`` keeps ``s_j = 1``.
 
-As in :func:`qflax.awq.awq`, ``1/s`` is **folded into previous model params** named
-per weight in ``fold_into`` (a norm's scale and bias, the previous Dense's kernel
-columns and bias): their last axis is divided by ``s``. The weight ``s W`` is
-quantized with the rule's spec. The result is ordinary PTQ params served by the
-plain :class:`~qflax.PtqProvider` model: its dynamic activation quantization then
-sees the smoothed ``x / s``. Selected weights without a fold target are quantized
-with plain RTN. With static-range rules (``act_static_scale``), collect the
-activation statistics again on the smoothed model.
+As in :func:`qflax.awq.awq`, ``s`` is either **carried** in the
+:class:`~qflax.QuantizedParam` (the default, and for every weight not named in
+``fold_into``: the PTQ model divides the op's input by ``s``, then quantizes it
+per token as usual, so the int8 x int8 path still runs) or **folded** into
+previous model params named per weight in ``fold_into`` (a norm's scale and
+bias, the previous Dense's kernel columns and bias, when they feed only these
+weights; weights sharing targets share ``s``). The weight ``s W`` is quantized
+with the rule's spec. With static-range rules (``act_static_scale``), the scales
+must be computed from ``x / s``: initialise the PTQ model's static scales with
+the SmoothQuant params in place (``mutable=["params"]`` on calibration data),
+not from statistics collected on the float model.
 
 Example:
     >>> import flax.linen as nn, jax, jax.numpy as jnp
@@ -40,12 +43,15 @@ Example:
     >>> model = Block()
     >>> params = model.init(jax.random.key(0), batches[0])["params"]
     >>> rules = [qflax.QuantizationRule(weight_qtype="int8", act_qtype="int8")]
-    >>> q = smoothquant(
+    >>> q = smoothquant(model, params, rules, batches, progress=False)  # s carried
+    >>> q["dense"]["kernel"]
+    QuantizedParam(int8, shape=(16, 8), compute shape=(16, 8), input-scaled)
+    >>> bool(q["dense"]["kernel"].input_scale[0] > 2.0)  # outlier channels: s > 1
+    True
+    >>> folded = smoothquant(
     ...     model, params, rules, batches, fold_into={"dense/kernel": "g"}, progress=False
     ... )
-    >>> q["dense"]["kernel"]
-    QuantizedParam(int8, shape=(16, 8), compute shape=(16, 8))
-    >>> bool(q["g"][0] < 0.5)  # the outlier channels are divided by s > 1
+    >>> bool(folded["g"][0] < 0.5)  # 1/s folded into g
     True
 """
 
@@ -57,12 +63,10 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-from flax import nnx, traverse_util
+from flax import nnx
 
 from qflax import folding
 from qflax.calibration import LayerStats, stats_or_collect
-from qflax.progress import track
-from qflax.qparam import QuantizedParam
 from qflax.rule import QuantizationRule
 
 
@@ -72,7 +76,7 @@ def smoothquant(
     rules: Sequence[QuantizationRule],
     calibration_batches: Iterable[Any] | None,
     *,
-    fold_into: Mapping[str, str | Sequence[str]],
+    fold_into: Mapping[str, str | Sequence[str]] | None = None,
     alpha: float = 0.5,
     method: str = "__call__",
     stats: dict[str, LayerStats] | None = None,
@@ -90,7 +94,8 @@ def smoothquant(
         fold_into: ``{weight param path: param path(s)}``: the params whose last
             axis (one entry per input channel of the weight) is divided by ``s``.
             They must act linearly and only on this input (a norm's scale and
-            bias, the previous Dense's kernel and bias).
+            bias, the previous Dense's kernel and bias). Weights not named here
+            (all of them by default) carry their ``s``.
         alpha: Migration strength in ``[0, 1]``.
         method: The model method the batches are inputs of.
         stats: Statistics from :func:`~qflax.calibration.collect` (``abs_max`` is
@@ -99,8 +104,9 @@ def smoothquant(
 
     Returns:
         A new nested dict of params (like :func:`qflax.awq.awq`'s): quantized
-        ``s W`` as :class:`~qflax.QuantizedParam`, folded params divided by ``s``,
-        everything else unchanged. Inputs are never modified.
+        ``s W`` as :class:`~qflax.QuantizedParam` (with their ``input_scale`` if
+        carried), folded params divided by ``s``, everything else unchanged.
+        Inputs are never modified.
 
     Raises:
         ValueError: ``alpha`` outside ``[0, 1]``, no calibration data, unknown or
@@ -124,16 +130,9 @@ def smoothquant(
         progress=progress,
     )
     folds = folding.plan(model, params, stats, fold_into)
-    out = dict(folds.flat)
-    groups = track(list(folds.groups.items()), "SmoothQuant layers", progress)
-    for ts, members in groups:
-        weights = [(folds.weight(w, stats[w]), stats[w]) for w in members]
-        s = smoothing_scale(weights, alpha) if ts else None
-        if s is not None:
-            folds.fold(out, ts, s)
-        for w, (wc, layer) in zip(members, weights, strict=True):
-            folds.put(out, w, QuantizedParam(folding.quantize_scaled(wc, layer, s), layer.recipe))
-    return traverse_util.unflatten_dict(out)
+    return folding.apply(
+        folds, stats, lambda weights: smoothing_scale(weights, alpha), "SmoothQuant", progress
+    )
 
 
 def smoothing_scale(weights: Sequence[tuple[jax.Array, LayerStats]], alpha: float) -> jax.Array:
