@@ -173,3 +173,12 @@ def test_missing_checkpoint_and_unsavable_rules_raise(tmp_path, linen):
     with pytest.raises(ValueError, match="callable"):
         checkpoint.save(tmp_path / "c", params, rules=[Rule(module_path=lambda p: True)])
     assert not (tmp_path / "c").exists()
+
+
+def test_rules_json_keeps_every_field_that_changes_numerics():
+    rules = [
+        Rule(weight_qtype="int4", act_qtype="int8", rotation="hadamard", rotation_seed=3),
+        Rule(act_qtype="int8", act_batch_axes=(0,), tile_size={0: 16}),
+        Rule(weight_qtype="nf4"),  # act_batch_axes=None: one scale per row
+    ]
+    assert checkpoint.rules_from_json(checkpoint.rules_to_json(rules)) == rules

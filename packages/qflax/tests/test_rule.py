@@ -111,8 +111,18 @@ def test_weight_and_activation_specs():
     assert frac is not None and frac.scale_shape((128, 64)) == (4, 64)
     explicit = QuantizationRule(weight_qtype="int8", tile_size={1: 16}).weight_spec(3, (1,))
     assert explicit is not None and explicit.tiled_axes == ((1, 16),)
-    a = rule.act_spec(ndim=3)
-    assert a is not None and a.channelwise_axes == (0,) and a.scale_shape((2, 5, 64)) == (2, 1, 1)
+    # Default: one scale per row (per token of a (batch, seq, features) input).
+    a = rule.act_spec(ndim=3, contracting_axes=(2,))
+    assert a is not None and a.channelwise_axes == (0, 1) and a.scale_shape((2, 5, 64)) == (2, 5, 1)
+    conv_x = rule.act_spec(ndim=4, contracting_axes=(1, 2, 3))  # NHWC, all but N contracted
+    assert conv_x is not None and conv_x.channelwise_axes == (0,)
+    per_seq = QuantizationRule(act_qtype="int8", act_batch_axes=(0,)).act_spec(3, (2,))
+    assert per_seq is not None and per_seq.scale_shape((2, 5, 64)) == (2, 1, 1)
+    per_tensor = QuantizationRule(act_qtype="int8", act_batch_axes=[]).act_spec(3, (2,))
+    assert per_tensor is not None and per_tensor.channelwise_axes == ()
+    for bad in ("0", 0, (0.5,), (True,)):
+        with pytest.raises(ValueError, match=r"act_batch_axes=.* must be None .* or a sequence"):
+            QuantizationRule(act_qtype="int8", act_batch_axes=bad)
     assert QuantizationRule(weight_qtype="int8").act_spec(3) is None
     assert QuantizationRule(act_qtype="int8").weight_spec(2, (0,)) is None
     int8 = QuantizationRule(weight_qtype="int8").weight_spec(2, (0,))

@@ -78,6 +78,8 @@ def rules_to_json(rules: list[QuantizationRule] | tuple[QuantizationRule, ...]) 
             "weight_calibration_method",
             "act_calibration_method",
             "act_batch_axes",
+            "rotation",
+            "rotation_seed",
         ):
             value = getattr(rule, field)
             if field.endswith("qtype") and value is not None and not isinstance(value, str):

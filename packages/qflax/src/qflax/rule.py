@@ -10,7 +10,9 @@ as an unused rule instead of a silently float model.
 A rule turns into qcore specs for an op's operands with :meth:`weight_spec` and
 :meth:`act_spec`: weights get one scale per output channel (every axis that is
 not contracted), optionally tiled along the contracting axes; activations get
-one scale per example along ``act_batch_axes``.
+one scale per row by default (every axis the op does not contract: per token for
+``(batch, seq, features)`` inputs, per example for convolutions), or per index of
+``act_batch_axes``.
 
 Example:
     >>> from qflax import QuantizationRule, RuleMatcher
@@ -63,8 +65,11 @@ class QuantizationRule:
             computing them per call.
         weight_calibration_method: Calibration of weight scales (qcore string).
         act_calibration_method: Calibration of activation scales (qcore string).
-        act_batch_axes: Activation axes that get their own scale (e.g. ``(0,)``:
-            one scale per example); other axes share one.
+        act_batch_axes: Activation axes that get their own scale; other axes
+            share one. None (the default): every axis the op does not contract,
+            i.e. one scale per token of a ``(batch, seq, features)`` input, per
+            row of a matrix, per example of a convolution's input. ``(0,)``: one
+            scale per example (per sequence), ``()``: one per tensor.
         rotation: ``"hadamard"`` rotates the contracting axis of both operands by
             a random-sign block Hadamard matrix before quantizing them (see
             :mod:`qflax.rotation`; ops must contract exactly one axis), or None.
@@ -79,7 +84,7 @@ class QuantizationRule:
     act_static_scale: bool = False
     weight_calibration_method: str = "absmax"
     act_calibration_method: str = "absmax"
-    act_batch_axes: Sequence[int] = (0,)
+    act_batch_axes: Sequence[int] | None = None
     rotation: str | None = None
     rotation_seed: int = 0
 
@@ -118,7 +123,16 @@ class QuantizationRule:
         _check_tile_size(self.tile_size)
         if isinstance(self.tile_size, Mapping):
             set_(self, "tile_size", tuple(sorted(self.tile_size.items())))
-        set_(self, "act_batch_axes", tuple(self.act_batch_axes))
+        if self.act_batch_axes is not None:
+            axes = self.act_batch_axes
+            if isinstance(axes, str | int) or not all(
+                isinstance(a, int) and not isinstance(a, bool) for a in axes
+            ):
+                raise ValueError(
+                    f"act_batch_axes={axes!r} must be None (one scale per row) or a sequence "
+                    "of ints (activation axes with their own scale)"
+                )
+            set_(self, "act_batch_axes", tuple(axes))
         if self.act_static_scale and self.act_qtype is None:
             raise ValueError("act_static_scale=True needs act_qtype (there is nothing to scale)")
         if self.rotation not in ROTATIONS:
@@ -156,17 +170,16 @@ class QuantizationRule:
         )
 
     def act_spec(self, ndim: int, contracting_axes: Sequence[int] = ()) -> HowToQuantize | None:
-        """The qcore spec of an activation of rank ``ndim`` (one scale per batch index).
+        """The qcore spec of an activation of rank ``ndim`` (one scale per row or batch index).
 
-        Batch axes that the op contracts (e.g. ``"bi,bj->ij"``) share one scale.
+        Axes that the op contracts (e.g. the ``b`` of ``"bi,bj->ij"``) share one scale.
         """
         if self.act_qtype is None:
             return None
         contracting = {a % ndim for a in contracting_axes}
+        axes = range(ndim) if self.act_batch_axes is None else self.act_batch_axes
         batch = tuple(
-            a % ndim
-            for a in self.act_batch_axes
-            if -ndim <= a < ndim and a % ndim not in contracting
+            sorted({a % ndim for a in axes if -ndim <= a < ndim and a % ndim not in contracting})
         )
         return HowToQuantize(
             qtype=self.act_qtype,
