@@ -141,10 +141,28 @@ def test_gptq_beats_rtn_on_correlated_inputs(qtype, tile, act_order):
     e_gptq = mae(qmodel, out, model, fparams, held_out)
     print(f"{qtype} tile={tile} act_order={act_order}: MAE RTN {e_rtn:.5f} GPTQ {e_gptq:.5f}")
     assert e_gptq < 0.9 * e_rtn
-    # Same recipe (and so the same scales) as RTN; only the codes move.
     assert out["kernel"].recipe == rtn["kernel"].recipe
-    np.testing.assert_array_equal(out["kernel"].qarray.scale, rtn["kernel"].qarray.scale)
+    same_scales = np.array_equal(out["kernel"].qarray.scale, rtn["kernel"].qarray.scale)
+    # Per channel and with static groups (act_order) the scales are RTN's and only the
+    # codes move; dynamic groups (tiles without act_order) recompute the tiles' scales.
+    assert same_scales == (tile is None or act_order)
     assert out["bias"] is fparams["bias"]
+
+
+def test_dynamic_groups_beat_static_groups_on_correlated_inputs():
+    model = nn.Dense(N)
+    xs = correlated(jax.random.key(1))
+    held_out = correlated(jax.random.key(2), batches=2)
+    fparams = model.init(jax.random.key(3), xs[0])["params"]
+    rules = [qflax.QuantizationRule(weight_qtype="int4", tile_size=8)]
+    qmodel, _ = ptq(model, rules, xs[0], fparams)
+    errors = {
+        static: mae(qmodel, gptq(model, fparams, rules, xs, static_groups=static,
+                                 block_size=8, progress=False), model, fparams, held_out)
+        for static in (True, False)
+    }  # fmt: skip
+    print(f"int4 tile=8 GPTQ MAE: static groups {errors[True]:.5f}, dynamic {errors[False]:.5f}")
+    assert errors[False] < errors[True]
 
 
 def test_block_size_does_not_change_the_result():
@@ -177,6 +195,55 @@ def test_gptq_weight_matches_a_float64_reference():
         work[i + 1 :] -= np.outer(u[i, i + 1 :], err)
     agree = np.mean(np.asarray(got.qvalue) == codes)
     assert agree > 0.95, agree  # ties at +-7.5 steps may round either way in float32
+
+
+def test_dynamic_groups_with_zero_points():
+    w = jax.random.normal(jax.random.key(0), (K, N))
+    x = correlated(jax.random.key(1), batches=1)[0]
+    spec = qflax.QuantizationRule(weight_qtype="uint4", tile_size=8).weight_spec(2, (0,))
+    assert spec is not None
+    spec = dataclasses.replace(spec, symmetric=False)
+    q = quantize_weight(w, x.T @ x / x.shape[0], spec)
+    rtn = qcore.quantize(w, spec)
+    assert q.zero_point is not None and q.zero_point.shape == rtn.zero_point.shape == (4, N)
+    y = np.asarray(x @ w, np.float64)
+
+    def err(qa):
+        return np.mean(np.abs(np.asarray(x @ qcore.dequantize(qa), np.float64) - y))
+
+    assert err(q) < 0.9 * err(rtn)
+
+
+def test_dynamic_groups_match_a_float64_reference():
+    """Tiles of 4 rows: each tile's absmax scale is taken from the updated rows."""
+    k, n, tile = 12, 5, 4
+    w = np.asarray(jax.random.normal(jax.random.key(0), (k, n)), np.float64)
+    x = np.asarray(correlated(jax.random.key(1), batches=1, k=k)[0], np.float64)
+    h = x.T @ x / x.shape[0]
+    spec = qflax.QuantizationRule(weight_qtype="int4", tile_size=tile).weight_spec(2, (0,))
+    assert spec is not None
+    got = quantize_weight(jnp.asarray(w, jnp.float32), h, spec, block_size=3)  # -> 4
+    hd = h + 0.01 * np.mean(np.diag(h)) * np.eye(k)
+    u = np.linalg.cholesky(np.linalg.inv(hd)).T
+    work, codes, scales = w.copy(), np.zeros((k, n)), np.zeros((k // tile, n))
+    for i in range(k):
+        if i % tile == 0:
+            # qcore's symmetric int4 absmax scale: |x| max is (qmax - qmin) / 2 = 7.5 steps
+            scales[i // tile] = np.max(np.abs(work[i : i + tile]), axis=0) / 7.5
+        s = scales[i // tile]
+        codes[i] = np.clip(np.round(work[i] / s), -8, 7)
+        err = (work[i] - codes[i] * s) / u[i, i]
+        work[i + 1 :] -= np.outer(u[i, i + 1 :], err)
+    # A tile's max lands exactly on a rounding tie (7.5 steps), which float32 and float64
+    # may break differently; a flipped code then shifts the later tiles of its column.
+    close = np.isclose(np.asarray(got.scale, np.float64), scales, rtol=1e-4)
+    assert np.all(close[0]) and np.mean(close) >= 0.9, close
+    assert not np.allclose(scales, np.max(np.abs(w.reshape(3, tile, n)), axis=1) / 7.5)
+    step = np.repeat(np.asarray(got.scale, np.float64), tile, axis=0)
+    got_codes = np.round(np.asarray(qcore.dequantize(got), np.float64) / step)
+    # Every column agrees exactly except where such a tie flipped (one column here).
+    assert np.sum(np.any(got_codes != codes, axis=0)) <= 1, got_codes - codes
+    np.testing.assert_array_equal(got_codes[:tile], codes[:tile])
 
 
 # -- loading into the plain PTQ model ------------------------------------------------
@@ -285,6 +352,10 @@ def test_bad_arguments_are_errors():
     model, params, x = _dense()
     with pytest.raises(ValueError, match="block_size"):
         gptq(model, params, INT4, [x], block_size=0, progress=False)
+    with pytest.raises(ValueError, match="act_order=True needs static_groups"):
+        gptq(model, params, INT4, [x], act_order=True, static_groups=False, progress=False)
+    with pytest.raises(ValueError, match="static_groups='yes' must be None, True or False"):
+        gptq(model, params, INT4, [x], static_groups="yes", progress=False)
     with pytest.raises(ValueError, match="params=None"):
         gptq(nnx.Linear(K, N, rngs=nnx.Rngs(0)), params, INT4, [x], progress=False)
     _, q = ptq(model, INT4, x, params)
@@ -394,21 +465,30 @@ def outlier_inputs(key, batches=4, rows=64):
     return [z * channels[None] for z in jax.random.normal(key, (batches, rows, K))]
 
 
-def test_awq_beats_rtn_on_inputs_with_outlier_channels():
-    # AWQ needs sub-channel tiles (groups): with one scale per output channel over
-    # only K=32 inputs, scaling the salient rows up raises the whole channel's scale
-    # and the search keeps alpha near 0 (RTN).
-    tile = 8
+TILE = 8
+
+
+def awq_case():
+    """Normed, calibration and held-out outlier inputs, int4 rules with tiles, RTN params.
+
+    AWQ needs sub-channel tiles (groups): with one scale per output channel over only
+    K=32 inputs, scaling the salient rows up raises the whole channel's scale and the
+    search keeps alpha near 0 (RTN).
+    """
     model = Normed()
     xs = outlier_inputs(jax.random.key(0))
     held_out = outlier_inputs(jax.random.key(1), batches=2)
     fparams = model.init(jax.random.key(2), xs[0])["params"]
-    rules = [qflax.QuantizationRule(weight_qtype="int4", tile_size=tile)]
-    qmodel, rtn = ptq(model, rules, xs[0], fparams)
+    rules = [qflax.QuantizationRule(weight_qtype="int4", tile_size=TILE)]
+    return model, xs, held_out, fparams, rules, *ptq(model, rules, xs[0], fparams)
+
+
+def test_awq_beats_rtn_on_inputs_with_outlier_channels():
+    model, xs, held_out, fparams, rules, qmodel, rtn = awq_case()
     out = awq(model, fparams, rules, xs, fold_into={"dense/kernel": "g"}, progress=False)
     e_rtn = mae(qmodel, rtn, model, fparams, held_out)
     e_awq = mae(qmodel, out, model, fparams, held_out)
-    print(f"AWQ int4 tile={tile}: MAE RTN {e_rtn:.5f} AWQ {e_awq:.5f}")
+    print(f"AWQ int4 tile={TILE}: MAE RTN {e_rtn:.5f} AWQ {e_awq:.5f}")
     assert e_awq < 0.95 * e_rtn
     assert out["dense"]["kernel"].recipe == rtn["dense"]["kernel"].recipe
     assert not np.allclose(np.asarray(out["g"]), 1.0)  # 1/s folded into g
@@ -425,13 +505,7 @@ def test_awq_beats_rtn_on_inputs_with_outlier_channels():
 def test_awq_carried_scale_beats_rtn_and_is_computed_as_stated():
     # Without a fold target the scale rides in the QuantizedParam and the op divides
     # its input by it: the model (and g) stay untouched.
-    tile = 8
-    model = Normed()
-    xs = outlier_inputs(jax.random.key(0))
-    held_out = outlier_inputs(jax.random.key(1), batches=2)
-    fparams = model.init(jax.random.key(2), xs[0])["params"]
-    rules = [qflax.QuantizationRule(weight_qtype="int4", tile_size=tile)]
-    qmodel, rtn = ptq(model, rules, xs[0], fparams)
+    model, xs, held_out, fparams, rules, qmodel, rtn = awq_case()
     out = awq(model, fparams, rules, xs, progress=False)
     kernel = out["dense"]["kernel"]
     assert kernel.recipe.input_scale_axis == 0
@@ -443,7 +517,7 @@ def test_awq_carried_scale_beats_rtn_and_is_computed_as_stated():
     e_awq = mae(qmodel, out, model, fparams, held_out)
     folded = awq(model, fparams, rules, xs, fold_into={"dense/kernel": "g"}, progress=False)
     e_folded = mae(qmodel, folded, model, fparams, held_out)
-    print(f"AWQ int4 tile={tile}: MAE RTN {e_rtn:.5f} carried {e_awq:.5f} folded {e_folded:.5f}")
+    print(f"AWQ int4 tile={TILE}: MAE RTN {e_rtn:.5f} carried {e_awq:.5f} folded {e_folded:.5f}")
     assert e_awq < 0.95 * e_rtn
     assert e_awq == pytest.approx(e_folded, rel=1e-3)  # same s, the same model
     # float64: y = (x * g / s) @ dequantize(Q(s W)) + b

@@ -15,12 +15,15 @@ so that the layer *output* ``x W`` (not ``W`` itself) stays close to float:
    ``U_ij e_i``, and after the block the later blocks get ``U_block,rest^T E``.
 
 Codes land exactly on the grid of the rule's qtype: each row is quantized with
-qcore's :func:`~qcore.quantize_with_scale_zero_point` using the scales (and zero
-points) that :class:`~qflax.PtqProvider` computes from the *original* float
-weight with the rule's calibration (per output channel, or per tile: GPTQ's
-"static groups", which also keeps act-order and tiles consistent). The result is
-an ordinary :class:`~qflax.QuantizedParam` with the recipe PtqProvider expects,
-so the plain PTQ model serves it.
+qcore's :func:`~qcore.quantize_with_scale_zero_point`. Per-channel scales (and
+zero points) are those :class:`~qflax.PtqProvider` computes from the original
+float weight with the rule's calibration. With sub-channel tiles (groups), each
+tile's scales are by default computed when GPTQ reaches the tile's first row,
+from the rows as the error feedback has updated them (the reference algorithm's
+default); ``static_groups=True`` takes them from the original weight instead, as
+``act_order`` needs (tiles must stay contiguous in the original row order). The
+result is an ordinary :class:`~qflax.QuantizedParam` with the recipe PtqProvider
+expects, so the plain PTQ model serves it.
 
 Example:
     >>> import flax.linen as nn, jax, jax.numpy as jnp
@@ -77,6 +80,7 @@ def gptq(
     block_size: int = 128,
     damping: float = 0.01,
     act_order: bool = False,
+    static_groups: bool | None = None,
     method: str = "__call__",
     stats: dict[str, LayerStats] | None = None,
     progress: bool = True,
@@ -94,6 +98,9 @@ def gptq(
             the remaining rows (lazy batch updates; only speed depends on it).
         damping: Added to the Hessian's diagonal, relative to its mean.
         act_order: Quantize inputs in order of decreasing Hessian diagonal.
+        static_groups: Tile scales from the original weight (True) or from the
+            error-updated rows when GPTQ reaches each tile (False). None: True with
+            ``act_order``, else False.
         method: The model method the batches are inputs of.
         stats: Statistics from :func:`~qflax.calibration.collect` (with the
             Hessian), to reuse one collection for several settings.
@@ -117,6 +124,7 @@ def gptq(
         raise ValueError(f"block_size={block_size!r} must be a positive int")
     if not damping >= 0:
         raise ValueError(f"damping={damping!r} must be >= 0")
+    _check_groups(act_order, static_groups)
     stats = stats_or_collect(
         stats, model, params, rules, calibration_batches, method=method, progress=progress
     )
@@ -152,6 +160,7 @@ def gptq(
             block_size=block_size,
             damping=damping,
             act_order=act_order,
+            static_groups=static_groups,
             name=path,
         )
         qp = QuantizedParam(qa, recipe)
@@ -168,6 +177,7 @@ def quantize_weight(
     block_size: int = 128,
     damping: float = 0.01,
     act_order: bool = False,
+    static_groups: bool | None = None,
     name: str = "weight",
 ) -> qcore.QArray:
     """GPTQ-quantizes one weight in its compute layout (see the module doc).
@@ -181,11 +191,12 @@ def quantize_weight(
         block_size: Rows per lazy-update block.
         damping: Relative diagonal damping.
         act_order: Quantize rows by decreasing ``diag(hessian)``.
+        static_groups: See :func:`gptq`.
         name: Used in error messages.
 
     Returns:
-        The QArray (packed if ``spec.pack``), with the same scales as
-        ``qcore.quantize(w, spec)`` and GPTQ's codes.
+        The QArray (packed if ``spec.pack``) with GPTQ's codes; its scales are
+        ``qcore.quantize(w, spec)``'s except for tiles with dynamic groups.
 
     Example:
         >>> import jax, jax.numpy as jnp, qcore
@@ -205,9 +216,11 @@ def quantize_weight(
         raise ValueError(f"{name}: Hessian shape {h.shape} does not match K={k} (axis {axis})")
     if spec.rounding == "stochastic":
         raise ValueError(f"{name}: GPTQ needs deterministic rounding, not {spec.rounding!r}")
+    _check_groups(act_order, static_groups)
     plain = dataclasses.replace(spec, pack=False)
     rtn = qcore.quantize(w, plain)
     qtype = rtn.qtype
+    tile = None if act_order or static_groups else _group_length(rtn, w.shape, axis)
     scale = _expand(rtn.scale.astype(jnp.float32), w.shape)
     if rtn.tensor_scale is not None:
         scale = scale * rtn.tensor_scale.astype(jnp.float32)
@@ -221,7 +234,7 @@ def quantize_weight(
     w2 = rows(w.astype(jnp.float32))[perm]
     s2 = rows(scale)[perm]
     z2 = None if zero is None else rows(zero.astype(jnp.float32))[perm]
-    q2 = _gptq_rows(
+    q2, s2, z2 = _gptq_rows(
         w2,
         s2,
         z2,
@@ -230,16 +243,28 @@ def quantize_weight(
         rounding=spec.rounding,
         narrow_range=spec.narrow_range,
         block=block_size,
+        group=None
+        if tile is None
+        else (tile, dataclasses.replace(plain, channelwise_axes=(1,), tiled_axes=())),
     )
     q2 = q2[np.argsort(perm)]
     moved = jnp.moveaxis(w, axis, 0).shape
     q = jnp.moveaxis(q2.reshape(moved), 0, axis).astype(w.dtype)
-    # q is on the grid already: re-encoding with the same scales recovers its codes.
+    scale, zero = rtn.scale, rtn.zero_point
+    if tile is not None:  # one row per tile of the per-row scales, in the scale's layout
+
+        def tiles(a: jax.Array, like: jax.Array) -> jax.Array:
+            a = a[::tile].reshape((k // tile, *moved[1:]))
+            return jnp.moveaxis(a, 0, axis).astype(like.dtype)
+
+        scale = tiles(s2, rtn.scale)
+        zero = None if zero is None or z2 is None else tiles(z2, zero)
+    # q is on the grid already: re-encoding with its scales recovers its codes.
     out = qcore.quantize_with_scale_zero_point(
         q,
         qtype,
-        rtn.scale,
-        rtn.zero_point,
+        scale,
+        zero,
         tensor_scale=rtn.tensor_scale,
         rounding=spec.rounding,
         narrow_range=spec.narrow_range,
@@ -253,6 +278,31 @@ def _expand(a: jax.Array, shape: tuple[int, ...]) -> jax.Array:
         if d != s:
             a = jnp.repeat(a, d // s, axis=i)
     return a
+
+
+def _check_groups(act_order: bool, static_groups: bool | None) -> None:
+    if static_groups not in (None, True, False):
+        raise ValueError(f"static_groups={static_groups!r} must be None, True or False")
+    if act_order and static_groups is False:
+        raise ValueError(
+            "act_order=True needs static_groups (None or True): tiles must stay contiguous "
+            "in the original row order, so their scales come from the original weight"
+        )
+
+
+def _group_length(rtn: qcore.QArray, shape: tuple[int, ...], axis: int) -> int | None:
+    """The tile length along ``axis`` if dynamic groups apply, else None.
+
+    Dynamic groups need tiles along the contracting axis only (one scale per output
+    channel elsewhere) and no second-level tensor scale.
+    """
+    sshape = rtn.scale.shape
+    groups = sshape[axis]
+    if groups == 1 or rtn.tensor_scale is not None:
+        return None
+    if any(sshape[i] != shape[i] for i in range(len(shape)) if i != axis):
+        return None
+    return shape[axis] // groups
 
 
 def _hessian_order(h: np.ndarray, act_order: bool) -> np.ndarray:
@@ -283,7 +333,7 @@ def _inverse_cholesky(h: np.ndarray, damping: float, name: str) -> np.ndarray:
         ) from None
 
 
-@partial(jax.jit, static_argnames=("qtype", "rounding", "narrow_range", "block"))
+@partial(jax.jit, static_argnames=("qtype", "rounding", "narrow_range", "block", "group"))
 def _gptq_rows(
     w: jax.Array,
     s: jax.Array,
@@ -294,10 +344,18 @@ def _gptq_rows(
     rounding: str,
     narrow_range: bool,
     block: int,
-) -> jax.Array:
-    """The GPTQ loop on rows ``w`` ``(K, N)`` with per-element scales; returns ``Q``."""
+    group: tuple[int, qcore.HowToQuantize] | None,
+) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+    """The GPTQ loop on rows ``w`` ``(K, N)`` with per-element scales.
+
+    With ``group = (tile, spec)`` (dynamic groups), the scales (and zero points) of
+    rows ``i..i+tile`` are recomputed with ``spec`` (per column) from the updated
+    rows when row ``i`` (a multiple of ``tile``) is reached. Returns ``(Q, s, z)``.
+    """
     k = w.shape[0]
     block = min(block, k)
+    if group is not None:  # whole tiles per block, so a tile's rows are in one block
+        block = group[0] * max(1, block // group[0])
 
     def fake_quant(row: jax.Array, s_row: jax.Array, z_row: jax.Array | None) -> jax.Array:
         q = qcore.quantize_with_scale_zero_point(
@@ -318,7 +376,7 @@ def _gptq_rows(
     n = w.shape[1]
 
     def run_block(b, carry):
-        w, q = carry
+        w, q, s, z = carry
         b0 = b * block
         w1 = jax.lax.dynamic_slice(w, (b0, 0), (block, n))
         s1 = jax.lax.dynamic_slice(s, (b0, 0), (block, n))
@@ -326,21 +384,41 @@ def _gptq_rows(
         u_rows = jax.lax.dynamic_slice(u, (b0, 0), (block, kp))
         u1 = jax.lax.dynamic_slice(u_rows, (0, b0), (block, block))
 
+        def regroup(i, w1, s1, z1):
+            assert group is not None
+            tile, spec = group
+            qa = qcore.quantize(jax.lax.dynamic_slice(w1, (i, 0), (tile, n)), spec)
+            s1 = jax.lax.dynamic_update_slice(
+                s1, jnp.broadcast_to(qa.scale.astype(s1.dtype), (tile, n)), (i, 0)
+            )
+            if z1 is not None and qa.zero_point is not None:
+                zp = jnp.broadcast_to(qa.zero_point.astype(z1.dtype), (tile, n))
+                z1 = jax.lax.dynamic_update_slice(z1, zp, (i, 0))
+            return s1, z1
+
         def body(i, carry):
-            w1, q1, e1 = carry
+            w1, q1, e1, s1, z1 = carry
+            if group is not None:
+                s1, z1 = jax.lax.cond(
+                    i % group[0] == 0,
+                    lambda: regroup(i, w1, s1, z1),
+                    lambda: (s1, z1),
+                )
             row = w1[i]
             qi = fake_quant(row, s1[i], None if z1 is None else z1[i])
             err = (row - qi) / u1[i, i]
             # U is upper triangular: rows before i are untouched, row i becomes qi.
             w1 = w1 - u1[i][:, None] * err[None, :]
-            return w1, q1.at[i].set(qi), e1.at[i].set(err)
+            return w1, q1.at[i].set(qi), e1.at[i].set(err), s1, z1
 
         zeros = jnp.zeros_like(w1)
-        _, q1, e1 = jax.lax.fori_loop(0, block, body, (w1, zeros, zeros))
+        _, q1, e1, s1, z1 = jax.lax.fori_loop(0, block, body, (w1, zeros, zeros, s1, z1))
         # Propagate the block's errors to the later rows; rows up to this block's end
         # are quantized already (U is zero before the block), so updating them is moot.
         w = w - jnp.matmul(u_rows.T, e1, precision=jax.lax.Precision.HIGHEST)
-        return w, jax.lax.dynamic_update_slice(q, q1, (b0, 0))
+        s = jax.lax.dynamic_update_slice(s, s1, (b0, 0))
+        z = None if z is None else jax.lax.dynamic_update_slice(z, z1, (b0, 0))
+        return w, jax.lax.dynamic_update_slice(q, q1, (b0, 0)), s, z
 
-    _, q = jax.lax.fori_loop(0, kp // block, run_block, (w, jnp.zeros_like(w)))
-    return q[:k]
+    _, q, s, z = jax.lax.fori_loop(0, kp // block, run_block, (w, jnp.zeros_like(w), s, z))
+    return q[:k], s[:k], None if z is None else z[:k]
