@@ -93,13 +93,7 @@ def qflax_ptq(**rule: Any) -> Build:
     """A qflax PtqProvider config with one rule over the encoder's Dense matmuls."""
 
     def build(params: Any, ids: jax.Array, mask: jax.Array) -> tuple[Apply, Any]:
-        rules = [
-            qflax.QuantizationRule(module_path=ENCODER_DENSE, op_names=["dot_general"], **rule)
-        ]
-        qmodel = qflax.quantize_model(MiniLM(), qflax.PtqProvider(rules))
-        abstract = jax.eval_shape(qmodel.init, jax.random.key(0), ids, mask)["params"]
-        qparams = qflax.quantize_params(params, abstract)
-        return jax.jit(lambda p, i, m: qmodel.apply({"params": p}, i, m)), qparams
+        return qflax_serve(params, ids, mask, encoder_rules(**rule))
 
     return build
 
@@ -174,6 +168,19 @@ def qflax_awq() -> Build:
         rules = encoder_rules(**INT4_T128)
         aparams = awq(MiniLM(), params, rules, CALIBRATION, progress=False)
         return qflax_serve(aparams, ids, mask, rules)
+
+    return build
+
+
+def qflax_smoothquant(alpha: float) -> Build:
+    """qflax SmoothQuant (``qflax.smoothquant.smoothquant``, scales carried) with w8a8 rules."""
+
+    def build(params: Any, ids: jax.Array, mask: jax.Array) -> tuple[Apply, Any]:
+        from qflax.smoothquant import smoothquant  # noqa: PLC0415
+
+        rules = encoder_rules(**RULES["w8a8"])
+        sparams = smoothquant(MiniLM(), params, rules, CALIBRATION, alpha=alpha, progress=False)
+        return qflax_serve(sparams, ids, mask, rules)
 
     return build
 
@@ -277,6 +284,8 @@ CONFIGS += [
     Config("int4 GPTQ t128", "qflax", qflax_gptq()),
     Config("int4 GPTQ t128 act-order", "qflax", qflax_gptq(act_order=True)),
     Config("int4 AWQ t128", "qflax", qflax_awq()),
+    Config("int4 RTN t128 Hadamard", "qflax", qflax_ptq(**INT4_T128, rotation="hadamard")),
+    Config("w8a8 SmoothQuant", "qflax", qflax_smoothquant(0.5)),
     Config("mixed ≤0.2×", "qflax", qflax_mixed(0.2)),
 ]
 CONFIGS += [Config(name, "qwix", qwix_ptq(**rule)) for name, rule in RULES.items()]
