@@ -110,9 +110,9 @@ def docs(session: nox.Session) -> None:
 
 @nox.session(python=PYTHON)
 def demo(session: nox.Session) -> None:
-    """Run the qcore tour example (quantizes a small digits classifier, writes a PNG)."""
-    session.install(*_editable("qcore"), *DEMO_DEPS)
-    session.run("python", "examples/qcore_tour.py", *session.posargs)
+    """Run the end-to-end digits demo (float CNN -> qflax, qlitert .tflite, qtorchlike)."""
+    session.install(*_editable(*PACKAGES), *DEMO_DEPS)
+    session.run("python", "examples/digits_end_to_end.py", *session.posargs)
 
 
 @nox.session(python=PYTHON)

@@ -1,0 +1,89 @@
+"""The end-to-end digits demo (examples/digits_end_to_end.py) in --quick mode."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "examples" / "digits_end_to_end.py"
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    out = tmp_path_factory.mktemp("demo")
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--quick", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out, proc.stdout, json.loads((out / "results.json").read_text())
+
+
+def test_the_table_and_every_file_appear(demo):
+    out, stdout, results = demo
+    assert str(out.resolve()) in stdout
+    names = [r["model"] for r in results["rows"]]
+    assert names == [
+        "float32",
+        "qflax w8a8 static",
+        "qflax int4 weights",
+        "qflax nf4 weights",
+        "qflax QAT int8",
+        "qlitert int8 .tflite",
+        "qtorchlike QAT int8 .tflite",
+    ]
+    for name in names:
+        assert name in stdout
+    png = (out / "accuracy_vs_size.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+    for file in ("flax_int8.tflite", "qtorchlike_int8.tflite"):
+        data = (out / file).read_bytes()
+        assert data[4:8] == b"TFL3"  # the FlatBuffer identifier of a LiteRT model
+    rows = {r["model"]: r for r in results["rows"]}
+    assert rows["qlitert int8 .tflite"]["bytes"] == (out / "flax_int8.tflite").stat().st_size
+
+
+def test_int8_models_stay_within_one_point_of_float(demo):
+    rows = {r["model"]: r for r in demo[2]["rows"]}
+    float_acc = rows["float32"]["accuracy"]
+    assert float_acc > 0.95
+    for name in ("qflax w8a8 static", "qflax QAT int8", "qlitert int8 .tflite"):
+        assert rows[name]["accuracy"] >= float_acc - 0.01, (name, rows[name], float_acc)
+    # 4-bit weights: within three points here.
+    for name in ("qflax int4 weights", "qflax nf4 weights"):
+        assert rows[name]["accuracy"] >= float_acc - 0.03, (name, rows[name], float_acc)
+    # PTQ keeps the logits close to float; QAT moves the weights on purpose.
+    assert rows["qflax w8a8 static"]["logit_error"] < 0.05
+    assert rows["qlitert int8 .tflite"]["logit_error"] < 0.05
+    # The eager qtorchlike model (3 epochs in --quick) and its .tflite agree.
+    qt = rows["qtorchlike QAT int8 .tflite"]
+    assert qt["accuracy"] > 0.85
+    assert abs(qt["accuracy"] - qt["eager_qat_accuracy"]) <= 0.01
+
+
+def test_sizes_shrink_as_the_formats_say(demo):
+    rows = {r["model"]: r for r in demo[2]["rows"]}
+    base = rows["float32"]["bytes"]
+    assert rows["qflax w8a8 static"]["bytes"] < 0.3 * base  # a byte per weight + scales
+    assert rows["qflax int4 weights"]["bytes"] < 0.2 * base  # half a byte per weight
+    assert rows["qlitert int8 .tflite"]["bytes"] < 0.5 * base
+    assert all(r["ms_per_batch"] > 0 for r in rows.values())
+
+
+def test_an_out_path_that_is_a_file_is_refused(tmp_path):
+    target = tmp_path / "file.txt"
+    target.write_text("keep me")
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--quick", "--out", str(target)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2
+    assert "exists and is not a directory" in proc.stderr
+    assert target.read_text() == "keep me"
