@@ -116,6 +116,36 @@ def demo(session: nox.Session) -> None:
 
 
 @nox.session(python=PYTHON)
+def build(session: nox.Session) -> None:
+    """Build each package's sdist and wheel into dist/, install each wheel alone, smoke-test it.
+
+    Every package's wheel goes into a fresh virtual environment (under .nox/wheel-<name>)
+    with only the wheels of the local packages it depends on, then
+    ``packaging/smoke.py <name>`` imports it from there and runs a small example.
+    """
+    session.install("build")
+    dist = os.path.abspath("dist")
+    session.run("python", "-c", f"import shutil; shutil.rmtree({dist!r}, ignore_errors=True)")
+    for package in PACKAGES:
+        session.run("python", "-m", "build", "--outdir", dist, f"packages/{package}")
+    for package, deps in PACKAGES.items():
+        venv = os.path.abspath(os.path.join(".nox", f"wheel-{package}"))
+        session.run("python", "-m", "venv", "--clear", venv)
+        python = os.path.join(venv, "bin", "python")
+        wheels = [_wheel(dist, name) for name in [*deps, package]]
+        session.run(python, "-m", "pip", "install", "--quiet", *wheels, external=True)
+        session.run(python, "packaging/smoke.py", package, external=True)
+
+
+def _wheel(dist: str, package: str) -> str:
+    """The one wheel of ``package`` in ``dist``."""
+    found = [f for f in os.listdir(dist) if f.startswith(f"{package}-") and f.endswith(".whl")]
+    if len(found) != 1:
+        raise RuntimeError(f"expected one wheel of {package} in {dist}, found {found}")
+    return os.path.join(dist, found[0])
+
+
+@nox.session(python=PYTHON)
 def bench(session: nox.Session) -> None:
     """Run the benchmarks (benchmarks/*.py) against float and Qwix; not in the default suite."""
     # safetensors and tokenizers read the MiniLM weights and tokenizer of minilm.py.

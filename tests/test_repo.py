@@ -121,6 +121,35 @@ def test_noxfile_local_deps_match_pyproject(name: str) -> None:
     assert local <= set(noxfile_packages()[name]), (name, local)
 
 
+def pyproject(name: str) -> dict:
+    with open(PACKAGES_DIR / name / "pyproject.toml", "rb") as f:
+        return tomllib.load(f)
+
+
+@pytest.mark.parametrize("name", PACKAGE_NAMES)
+def test_versions_and_inter_package_bounds_are_consistent(name: str) -> None:
+    from packaging.requirements import Requirement
+
+    project = pyproject(name)["project"]
+    init = (PACKAGES_DIR / name / "src" / name / "__init__.py").read_text(encoding="utf-8")
+    assert f'__version__ = "{project["version"]}"' in init
+    requirements = list(project.get("dependencies", []))
+    for extra in project.get("optional-dependencies", {}).values():
+        requirements += extra
+    for text in requirements:
+        req = Requirement(text)
+        if req.name in PACKAGE_NAMES:
+            # Bounded on both sides, and admitting the sibling as it is in this checkout.
+            assert {s.operator for s in req.specifier} >= {">=", "<"}, (name, text)
+            assert pyproject(req.name)["project"]["version"] in req.specifier, (name, text)
+
+
+def test_changelog_has_an_entry_for_every_package_version() -> None:
+    changelog = (ROOT / "CHANGELOG.md").read_text(encoding="utf-8")
+    for name in PACKAGE_NAMES:
+        assert f"{name} {pyproject(name)['project']['version']}" in changelog, name
+
+
 def test_qcore_depends_on_no_framework_or_downstream_package() -> None:
     with open(PACKAGES_DIR / "qcore" / "pyproject.toml", "rb") as f:
         pyproject = tomllib.load(f)
