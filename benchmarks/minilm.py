@@ -24,7 +24,8 @@ configuration:
   ``--reps`` calls after warm-up, in rounds of one call per configuration.
 * ``encoder KiB`` / ``total MiB``: the sum of ``nbytes`` of the param arrays as stored
   (codes + scales + biases + LayerNorms for the encoder layers; plus the float
-  embedding tables for the total). Qwix keeps int4 codes in ``jnp.int4`` arrays whose
+  embedding tables for the total). Qwix keeps int4 and nf4 codes in ``jnp.int4`` /
+  ``jnp.uint4`` arrays whose
   ``nbytes`` reports a byte per code; those are counted at half a byte (the packed
   size), which the table marks.
 
@@ -344,10 +345,11 @@ def nearest_other(emb: np.ndarray) -> np.ndarray:
 
 
 def param_bytes(params: Any) -> tuple[int, bool]:
-    """(bytes of the arrays as stored, with jnp.int4 counted packed; whether any was int4)."""
+    """(bytes of the arrays as stored, 4-bit dtypes counted packed; whether any was 4-bit)."""
     leaves = jax.tree.leaves(params)
-    int4 = any(leaf.dtype == jnp.int4 for leaf in leaves)
-    total = sum(leaf.size // 2 if leaf.dtype == jnp.int4 else leaf.nbytes for leaf in leaves)
+    four_bit = (jnp.int4, jnp.uint4)
+    int4 = any(leaf.dtype in four_bit for leaf in leaves)
+    total = sum(leaf.size // 2 if leaf.dtype in four_bit else leaf.nbytes for leaf in leaves)
     return int(total), int4
 
 
@@ -524,7 +526,8 @@ def update_readme(data: dict[str, Any], path: Path) -> None:
             "",
             table(data),
             "",
-            "† Qwix's `jnp.int4` codes counted at half a byte each (their `nbytes` says one).",
+            "† Qwix's `jnp.int4` / `jnp.uint4` (nf4) codes counted at half a byte each (their "
+            "`nbytes` says one).",
         ]
     )
     replace_section(path, "minilm", body)
