@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import zoo
 from flax import nnx
 
 import qcore
@@ -451,18 +452,12 @@ def test_nnx_list_paths_and_reusing_collected_stats():
 # -- AWQ (qflax.awq) -----------------------------------------------------------------
 
 
-class Normed(nn.Module):
-    """A per-channel scale (like a norm's) before a Dense: AWQ folds 1/s into it."""
-
-    @nn.compact
-    def __call__(self, x):
-        g = self.param("g", nn.initializers.ones, (x.shape[-1],))
-        return nn.Dense(N, name="dense")(x * g[None])
+Normed = zoo.Normed
+OUTLIERS = (25.0, 40.0, 15.0)  # channels 1, 7 and 20, times the rest
 
 
 def outlier_inputs(key, batches=4, rows=64):
-    channels = jnp.ones(K).at[jnp.array([1, 7, 20])].set(jnp.array([25.0, 40.0, 15.0]))
-    return [z * channels[None] for z in jax.random.normal(key, (batches, rows, K))]
+    return zoo.outlier_inputs(key, OUTLIERS, batches, rows, K)
 
 
 TILE = 8

@@ -1,10 +1,10 @@
 """SmoothQuant (qflax.smoothquant)."""
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import zoo
 from flax import nnx
 
 import qcore
@@ -16,19 +16,12 @@ K, N = 32, 16
 W8A8 = [qflax.QuantizationRule(weight_qtype="int8", act_qtype="int8")]
 
 
-class Normed(nn.Module):
-    """A per-channel scale (like a norm's) before a Dense: SmoothQuant folds 1/s into it."""
-
-    @nn.compact
-    def __call__(self, x):
-        g = self.param("g", nn.initializers.ones, (x.shape[-1],))
-        return nn.Dense(N, name="dense")(x * g[None])
+Normed = zoo.Normed
+OUTLIERS = (80.0, 120.0, 60.0)  # channels 1, 7 and 20, times the rest
 
 
 def outlier_inputs(key, batches=4, rows=64):
-    """Activations whose channels 1, 7 and 20 are 60-120x larger than the rest."""
-    channels = jnp.ones(K).at[jnp.array([1, 7, 20])].set(jnp.array([80.0, 120.0, 60.0]))
-    return [z * channels[None] for z in jax.random.normal(key, (batches, rows, K))]
+    return zoo.outlier_inputs(key, OUTLIERS, batches, rows, K)
 
 
 def reference(fparams, x):

@@ -212,3 +212,20 @@ class LinenSeq(nn.Module):
     @nn.compact
     def __call__(self, x):
         return nn.Dense(16)(nn.relu(nn.Dense(32)(x)))
+
+
+class Normed(nn.Module):
+    """A per-channel scale ``g`` (like a norm's) before a Dense: AWQ/SmoothQuant fold target."""
+
+    features: int = 16
+
+    @nn.compact
+    def __call__(self, x):
+        g = self.param("g", nn.initializers.ones, (x.shape[-1],))
+        return nn.Dense(self.features, name="dense")(x * g[None])
+
+
+def outlier_inputs(key, scales, batches=4, rows=64, k=32):
+    """Normal activations whose channels 1, 7 and 20 are multiplied by ``scales``."""
+    channels = jnp.ones(k).at[jnp.array([1, 7, 20])].set(jnp.array(scales, jnp.float32))
+    return [z * channels[None] for z in jax.random.normal(key, (batches, rows, k))]
