@@ -1,5 +1,6 @@
 """Calibrators against float64 numpy references, and the string parser."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -100,6 +101,30 @@ def test_non_finite_values_are_ignored(cal):
     if cal in ("absmax", "minmax", "rms,3"):
         # Non-finite values drop out (rms: as if absent).
         np.testing.assert_allclose(hi, hi_ref, rtol=1e-5)
+
+
+@pytest.mark.parametrize("cal", ["absmax", "minmax"])
+def test_non_finite_values_ignored_under_jit_and_vmap(cal):
+    # absmax/minmax reduce plainly and redo the reduction with non-finite values
+    # masked only when the plain result is not finite (a lax.cond; under vmap, a
+    # select of both): every path must equal the float64 range of the finite values.
+    x = np.stack([X, X.copy(), X.copy()])
+    x[1, :, 3] = np.inf
+    x[2, 2, 0] = np.nan
+    finite = np.where(np.isfinite(x), x, 0.0).astype(np.float64)
+    if cal == "absmax":
+        hi_ref = np.max(np.abs(finite), axis=2, keepdims=True)
+        lo_ref = -hi_ref
+    else:
+        lo_ref = np.minimum(finite.min(axis=2, keepdims=True), 0.0)
+        hi_ref = np.maximum(finite.max(axis=2, keepdims=True), 0.0)
+    c = calibration.parse(cal)
+    qt = qtypes.get("int8")
+    one = jax.jit(lambda v: c(v, (1,), qtype=qt, symmetric=cal == "absmax"))
+    for got in (one(jnp.asarray(x.reshape(-1, x.shape[2]))), jax.vmap(one)(jnp.asarray(x))):
+        lo, hi = (np.asarray(a).reshape(lo_ref.shape) for a in got)
+        np.testing.assert_array_equal(lo, lo_ref)
+        np.testing.assert_array_equal(hi, hi_ref)
 
 
 def test_all_nan_block_gives_zero_range():

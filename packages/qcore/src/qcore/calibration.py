@@ -69,14 +69,29 @@ def _finite(x: jax.Array, fill: float) -> jax.Array:
     return jnp.where(jnp.isfinite(x), x, jnp.full_like(x, fill))
 
 
+def _reduce_finite(x: jax.Array, reduce) -> jax.Array:
+    """``reduce(x)`` with non-finite values counted as 0, for a max/min ``reduce``.
+
+    A max or min of finite values is finite and any NaN or inf reaches it, so the
+    plain reduction is checked first and the masked one runs only when it is
+    not finite: the mask (an extra select per element) halved XLA:CPU's speed.
+    """
+    x = jnp.asarray(x, jnp.float32)
+    fast = reduce(x)
+    if x.size == 0:
+        return fast
+    return jax.lax.cond(jnp.all(jnp.isfinite(fast)), lambda: fast, lambda: reduce(_finite(x, 0.0)))
+
+
 def _absmax(x: jax.Array, axes: Axes) -> jax.Array:
-    return jnp.max(jnp.abs(_finite(x, 0.0)), axis=tuple(axes), keepdims=True, initial=0.0)
+    axes = tuple(axes)
+    return _reduce_finite(x, lambda v: jnp.max(jnp.abs(v), axis=axes, keepdims=True, initial=0.0))
 
 
 def _minmax(x: jax.Array, axes: Axes) -> tuple[jax.Array, jax.Array]:
     axes = tuple(axes)
-    lo = jnp.min(_finite(x, 0.0), axis=axes, keepdims=True, initial=0.0)
-    hi = jnp.max(_finite(x, 0.0), axis=axes, keepdims=True, initial=0.0)
+    lo = _reduce_finite(x, lambda v: jnp.min(v, axis=axes, keepdims=True, initial=0.0))
+    hi = _reduce_finite(x, lambda v: jnp.max(v, axis=axes, keepdims=True, initial=0.0))
     return lo, hi
 
 
