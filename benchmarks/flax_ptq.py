@@ -38,6 +38,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import plots
 from ops import load_qwix, machine, measured_on, replace_section, time_impl
 
 import qflax
@@ -177,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nwrote {args.out}")
     if args.readme:
         update_readme(data, HERE / "README.md")
-        print(f"updated {HERE / 'README.md'}")
+        print(f"updated {HERE / 'README.md'} and {plots.save('flax_ptq', data)}")
     return 0
 
 

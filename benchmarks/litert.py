@@ -26,6 +26,7 @@ from typing import Any
 import flax.linen as nn
 import jax
 import numpy as np
+import plots
 from ops import machine, measured_on, replace_section
 
 import qlitert
@@ -175,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.write_text(json.dumps(data, indent=1))
     if args.readme:
         update_readme(data, HERE / "README.md")
-        print(f"updated {HERE / 'README.md'}")
+        print(f"updated {HERE / 'README.md'} and {plots.save('litert', data)}")
     return 0
 
 

@@ -56,6 +56,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+import plots
 from flax import traverse_util
 from minilm_model import MiniLM, load_params, load_tokenizer, tokenize
 from ops import load_qwix, machine, measured_on, replace_section
@@ -488,7 +489,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nwrote {args.out}")
     if args.readme:
         update_readme(data, HERE / "README.md")
-        print(f"updated {HERE / 'README.md'}")
+        print(f"updated {HERE / 'README.md'} and {plots.save('minilm', data)}")
     return 0
 
 

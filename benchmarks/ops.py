@@ -37,6 +37,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+import plots
 
 import qcore
 
@@ -311,7 +312,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     if args.from_json:
-        update_readme(json.loads(args.from_json.read_text()), HERE / "README.md")
+        data = json.loads(args.from_json.read_text())
+        update_readme(data, HERE / "README.md")
+        print(f"updated {HERE / 'README.md'} and {plots.save('ops', data)}")
         return 0
     if args.quick:
         args.reps = 5
@@ -347,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nwrote {args.out}")
     if args.readme:
         update_readme(data, HERE / "README.md")
-        print(f"updated {HERE / 'README.md'}")
+        print(f"updated {HERE / 'README.md'} and {plots.save('ops', data)}")
     return 0
 
 
