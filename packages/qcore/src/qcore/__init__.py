@@ -7,7 +7,7 @@ dequantize (:mod:`qcore.qarray`), rounding and scale arithmetic
 (:mod:`qcore.fakequant`), sub-byte packing (:mod:`qcore.packing`), error
 metrics (:mod:`qcore.metrics`) and ops that take QArrays (:mod:`qcore.ops`:
 ``dot_general``, ``einsum``, ``dot``, ``matmul``, ``conv_general_dilated``,
-``ragged_dot``). Depends on jax, numpy and ml_dtypes only.
+``ragged_dot``, ``take``). Depends on jax, numpy and ml_dtypes only.
 
 Example:
     >>> import jax.numpy as jnp
@@ -32,6 +32,7 @@ from qcore.ops import (
     einsum,
     matmul,
     ragged_dot,
+    take,
     train_conv_general_dilated,
     train_dot_general,
     train_einsum,
@@ -86,6 +87,7 @@ __all__ = [
     "ragged_dot",
     "requantize",
     "sqnr_db",
+    "take",
     "train_conv_general_dilated",
     "train_dot_general",
     "train_einsum",

@@ -780,10 +780,15 @@ def unpack(q: QArray) -> QArray:
     codes = packing.unpack(
         q.qvalue, qtype.bits, q.packing.length, axis=q.packing.axis, signed=signed
     )
-    if qtype.kind == "float":
-        codes = jax.lax.bitcast_convert_type(codes.astype(jnp.uint4), qtype.storage_dtype)
-    elif qtype.kind == "binary":
-        codes = jnp.where(codes == 0, -1, 1).astype(qtype.storage_dtype)
-    else:
-        codes = codes.astype(qtype.storage_dtype)
-    return QArray._from_parts(codes, q.scale, q.zero_point, q.tensor_scale, qtype, q.dtype, None)
+    return QArray._from_parts(
+        storage_codes(codes, qtype), q.scale, q.zero_point, q.tensor_scale, qtype, q.dtype, None
+    )
+
+
+def storage_codes(codes: jax.Array, qtype: QType) -> jax.Array:
+    """Unpacked codes (:func:`qcore.packing.unpack`) in ``qtype``'s storage dtype."""
+    if qtype.kind == "float":  # 4-bit float elements were packed as their bit patterns
+        return jax.lax.bitcast_convert_type(codes.astype(jnp.uint4), qtype.storage_dtype)
+    if qtype.kind == "binary":
+        return jnp.where(codes == 0, -1, 1).astype(qtype.storage_dtype)
+    return codes.astype(qtype.storage_dtype)
