@@ -73,6 +73,9 @@ class CallContext:
         self._counters: dict[int, tuple[Any, dict[str, int]]] = {}
         # DISCOVER results: param path -> recipe; module path -> site variables.
         self.recipes: dict[str, Any] = {}
+        # Params quantized during this call (path -> (float value, QuantizedParam)),
+        # so that a second op on the same value (a tied embedding's attend) reuses it.
+        self.written: dict[str, Any] = {}
         self.sites: dict[str, dict[str, Any]] = {}
         # DISCOVER results a provider creates itself afterwards (key -> request),
         # see Provider.nnx_variables.

@@ -7,7 +7,7 @@ The contract::
 
 Inside the block, on the calling thread only, every call of ``lax.dot_general``,
 ``jnp.einsum``, ``jnp.dot``, ``jnp.matmul`` (and so the ``@`` operator),
-``lax.conv_general_dilated`` and ``lax.ragged_dot`` becomes
+``lax.conv_general_dilated``, ``lax.ragged_dot`` and ``jnp.take`` becomes
 ``handler(op_name, original, args, kwargs)``, whose return value is the op's
 result (``original(*args, **kwargs)`` runs the unmodified op). Ops called while a
 handler runs (e.g. the ``dot_general`` inside ``einsum``, or qcore's own ops) are
@@ -67,7 +67,12 @@ OP_NAMES: tuple[str, ...] = (
     "matmul",
     "conv_general_dilated",
     "ragged_dot",
+    "take",
 )
+# The ops a rule applies to unless it names others: every contraction and
+# convolution. Table lookups ("take": ``jnp.take``, as ``nn.Embed`` calls it) are
+# quantized only by rules that name them, so existing rules keep tables float.
+DEFAULT_OP_NAMES: tuple[str, ...] = OP_NAMES[:-1]
 VALUE_NAMES: tuple[str, ...] = (
     "linen_get_variable",
     "linen_put_variable",
@@ -99,6 +104,7 @@ def _targets() -> list[tuple[str, types.FunctionType]]:
         ("einsum", python_function(jnp.einsum)),
         ("matmul", python_function(jnp.matmul)),
         ("dot", python_function(jnp.dot)),
+        ("take", python_function(jnp.take)),
         ("linen_get_variable", python_function(_scope.Scope.get_variable)),
         ("linen_put_variable", python_function(_scope.Scope.put_variable)),
         ("nnx_get_value", python_function(nnx.Variable.get_value)),

@@ -23,6 +23,7 @@ scale of the left operand of the module's first ``einsum`` is ``einsum0_lhs``
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -111,6 +112,8 @@ class Provider:
             rule = self._matcher.match(path, name)
             if rule is None or (rule.weight_qtype is None and rule.act_qtype is None):
                 return original(*args, **kwargs)
+            if name == "take":
+                return self._take(ctx, rule, original, args, kwargs)
             call = bind(name, original, args, kwargs)
             if call is None:
                 return original(*args, **kwargs)
@@ -122,6 +125,34 @@ class Provider:
             return self.compute(ctx, call, plans, module, path)
 
         return handle
+
+    def _take(
+        self,
+        ctx: CallContext,
+        rule: QuantizationRule,
+        original: Callable[..., Any],
+        args: tuple,
+        kwargs: dict,
+    ) -> jax.Array:
+        """A ``jnp.take`` from a parameter (a table lookup) under ``rule``."""
+        a = bind_take(original, args, kwargs)
+        source = None if a is None else ctx.source(a["a"])
+        if a is None or rule.weight_qtype is None or source is None:
+            return original(*args, **kwargs)
+        table = a["a"]
+        if rule.rotation is not None:
+            raise ValueError(
+                f"table {source.path!r}: rotation={rule.rotation!r} does not apply to a "
+                "lookup (jnp.take); give the lookup a rule without rotation"
+            )
+        spec = rule.lookup_spec(table.ndim, a["axis"])
+        assert spec is not None
+        _check_tiles(spec, table.shape, source.path)
+        return self.lookup(ctx, Weight(spec, source), table, a)
+
+    def lookup(self, ctx: CallContext, plan: Weight, table: jax.Array, a: dict) -> jax.Array:
+        """Computes a table lookup under the plan (implemented by each provider)."""
+        raise NotImplementedError
 
     # A provider that stores weights rotated (PtqProvider) does not rotate them per call.
     stores_rotated_weights = False
@@ -185,6 +216,69 @@ def _check_tiles(spec: qcore.HowToQuantize, shape: tuple[int, ...], path: str) -
         spec.scale_shape(shape)
     except ValueError as err:
         raise ValueError(f"weight {path!r} of shape {tuple(shape)}: {err}") from None
+
+
+def bind_take(original: Callable[..., Any], args: tuple, kwargs: dict) -> dict | None:
+    """``jnp.take``'s arguments by name, or None for calls qflax leaves float.
+
+    Left float: ``axis=None`` (a lookup in the flattened array), an ``out``
+    argument, a 0-d table.
+    """
+    bound = inspect.signature(original).bind(*args, **kwargs)
+    bound.apply_defaults()
+    a = dict(bound.arguments)
+    table = a["a"]
+    if a["axis"] is None or a["out"] is not None:
+        return None
+    if not isinstance(table, jax.Array) or table.ndim == 0:
+        return None
+    return a
+
+
+def transposition(
+    stored: Recipe, spec: qcore.HowToQuantize, chain: tuple, shape: tuple[int, ...]
+) -> tuple[int, ...] | None:
+    """The axes permutation that views ``stored``'s QArray as ``spec`` in layout ``chain``.
+
+    None if no transpose does. Both layouts must be pure transposes of the
+    parameter (no reshapes), and the scales, tiles and packing of ``stored`` must
+    land, permuted, on ``spec``'s.
+    """
+    ndim = len(shape)
+    p_stored, p_wanted = _permutation(stored.transforms, ndim), _permutation(chain, ndim)
+    if p_stored is None or p_wanted is None or len(stored.compute_shape()) != ndim:
+        return None
+    perm = tuple(p_stored.index(axis) for axis in p_wanted)
+    if tuple(stored.compute_shape()[a] for a in perm) != tuple(shape):
+        return None
+    old = stored.spec
+    moved = dataclasses.replace(
+        old,
+        channelwise_axes=tuple(sorted(perm.index(a % ndim) for a in old.channelwise_axes)),
+        tiled_axes=tuple((perm.index(a % ndim), t) for a, t in _pairs(old.tiled_axes)),
+        pack_axis=perm.index(old.pack_axis % ndim),
+    )
+    wanted = dataclasses.replace(
+        spec,
+        channelwise_axes=tuple(sorted(a % ndim for a in spec.channelwise_axes)),
+        pack_axis=spec.pack_axis % ndim,
+    )
+    return perm if moved == wanted else None
+
+
+def _pairs(tiles: Any) -> tuple[tuple[int, int | float], ...]:
+    """A spec's ``tiled_axes`` (normalised to ``(axis, tile)`` pairs by HowToQuantize)."""
+    return tuple(tiles)
+
+
+def _permutation(chain: tuple, ndim: int) -> tuple[int, ...] | None:
+    """The axis permutation a chain of transposes applies, or None if it reshapes."""
+    perm = tuple(range(ndim))
+    for kind, arg in chain:
+        if kind != "transpose":
+            return None
+        perm = tuple(perm[i] for i in arg)
+    return perm
 
 
 def _weight_recipe(plan: Weight, x: jax.Array) -> Recipe:
@@ -269,6 +363,17 @@ class PtqProvider(Provider):
                 operands[i] = _static_quantize(operands[i], plan.qtype, scale)
         return call.run(*operands)
 
+    def lookup(self, ctx, plan, table, a):  # noqa: D102 - see Provider
+        q = self._weight(ctx, plan, table)
+        return qcore.take(
+            q,
+            a["indices"],
+            a["axis"],
+            mode=a["mode"],
+            fill_value=a["fill_value"],
+            dtype=table.dtype,
+        )
+
     def _scaled_input(
         self, call: OpCall, plans: Sequence[Weight | Activation | None], i: int, x: Any
     ) -> Any:
@@ -295,6 +400,11 @@ class PtqProvider(Provider):
             qp = source.value
             want = (plan.spec, source.chain, tuple(x.shape))
             have = (qp.recipe.spec, qp.recipe.transforms, qp.recipe.compute_shape())
+            perm = transposition(qp.recipe, plan.spec, source.chain, tuple(x.shape))
+            if want != have and perm is not None and qp.recipe.rotation == plan.rotation:
+                # The same quantized table in another axis order (a tied embedding's
+                # lookup and its output projection): stored once, viewed transposed.
+                return qp.qarray.transpose(*perm)
             if want != have:
                 raise ValueError(
                     f"param {source.path!r} was quantized as {have[0]} in layout {have[1:]}, "
@@ -317,10 +427,27 @@ class PtqProvider(Provider):
                 "(qflax.quantize_params(float_params, abstract_quantized_params)), or call "
                 "apply with mutable=['params'] to quantize them in the model"
             )
+        seen = ctx.written.get(source.path)
+        # A second op on the same float value this call already quantized (under
+        # nn.scan every trace reads a new value, so nothing crosses traces).
+        written = seen[1] if seen is not None and seen[0] is source.value else None
+        if written is not None:
+            perm = transposition(written.recipe, recipe.spec, recipe.transforms, tuple(x.shape))
+            if perm is None or written.recipe.rotation != recipe.rotation:
+                raise ValueError(
+                    f"param {source.path!r} is used by two ops that quantize it differently "
+                    f"({written.recipe.spec} in layout {written.recipe.transforms} vs "
+                    f"{recipe.spec} in layout {recipe.transforms}); give them rules that agree"
+                )
+            return written.qarray.transpose(*perm)
         qp = quantize_param(source.value, recipe)
         if ctx.mode is Mode.DISCOVER:
             known = ctx.recipes.setdefault(source.path, recipe)
-            if known != recipe:
+            if known != recipe and (
+                known.rotation != recipe.rotation
+                or transposition(known, recipe.spec, recipe.transforms, recipe.compute_shape())
+                is None
+            ):
                 raise ValueError(
                     f"param {source.path!r} is used by two ops that quantize it differently "
                     f"({known.spec} in layout {known.transforms} vs {recipe.spec} in "
@@ -328,6 +455,7 @@ class PtqProvider(Provider):
                 )
         else:
             ctx.write_param(source, qp)
+        ctx.written[source.path] = (source.value, qp)
         return qp.qarray
 
     def _scale(self, ctx: CallContext, sites: _Sites, plan: Activation, x: jax.Array) -> jax.Array:
@@ -423,6 +551,26 @@ class QtProvider(Provider):
                 "available with act_static_scale rules"
             )
         return _static_forward(call, specs, scales)
+
+    def lookup(self, ctx, plan, table, a):  # noqa: D102 - see Provider
+        if isinstance(plan.source.value, QuantizedParam):
+            raise ValueError(
+                f"table {plan.source.path!r} is already quantized; QtProvider trains float "
+                "params (quantize them with PtqProvider after training)"
+            )
+        if ctx.mode is Mode.DISCOVER:
+            ctx.recipes.setdefault(plan.source.path, _weight_recipe(plan, table))
+        # Forward: the PTQ lookup's values; backward: straight through to the rows.
+        fq = qcore.fake_quant(table, plan.spec, clip_gradient=self.clip_gradient)
+        return jnp.take(
+            fq,
+            a["indices"],
+            a["axis"],
+            mode=a["mode"],
+            unique_indices=a["unique_indices"],
+            indices_are_sorted=a["indices_are_sorted"],
+            fill_value=a["fill_value"],
+        )
 
     def _key(self, ctx: CallContext, module: Any, config: qcore.TrainingQuant) -> jax.Array | None:
         if not any(s.rounding == "stochastic" for s in config.specs()):

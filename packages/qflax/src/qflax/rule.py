@@ -42,7 +42,7 @@ from typing import Any, cast
 
 import qcore
 from qcore import HowToQuantize
-from qflax.interception import OP_NAMES
+from qflax.interception import DEFAULT_OP_NAMES, OP_NAMES
 
 TileSize = int | float | Mapping[int, int | float] | None
 ROTATIONS = (None, "hadamard")
@@ -55,7 +55,12 @@ class QuantizationRule:
     Attributes:
         module_path: Regex fullmatched against the module's ``/``-joined path
             (``".*"`` matches everything), or a callable ``path -> bool``.
-        op_names: Ops the rule applies to (default: all of :data:`OP_NAMES`).
+        op_names: Ops the rule applies to, from :data:`OP_NAMES` (default: every
+            contraction and convolution). ``"take"`` (``jnp.take``, e.g. the lookup
+            of ``nn.Embed`` / ``nnx.Embed``) must be named to quantize a table: the
+            table gets one scale per row (plus ``tile_size`` tiles along the row),
+            and a tied output projection (``attend``) reuses it if its rule gives
+            the same type and tiles.
         weight_qtype: qtype of the weight operand, or None to keep it float.
         act_qtype: qtype of the activation operand, or None (weight-only).
         tile_size: Sub-channel tiles along the weight's contracting axes: an int
@@ -77,7 +82,7 @@ class QuantizationRule:
     """
 
     module_path: str | Callable[[str], bool] = ".*"
-    op_names: Sequence[str] = OP_NAMES
+    op_names: Sequence[str] = DEFAULT_OP_NAMES
     weight_qtype: str | qcore.QType | None = None
     act_qtype: str | qcore.QType | None = None
     tile_size: TileSize = None
@@ -167,6 +172,26 @@ class QuantizationRule:
             calibration=self.weight_calibration_method,
             pack=_packable(self.weight_qtype),
             pack_axis=contracting[0] if contracting else -1,
+        )
+
+    def lookup_spec(self, ndim: int, axis: int) -> HowToQuantize | None:
+        """The qcore spec of a table of rank ``ndim`` looked up along ``axis``.
+
+        One scale per row (index along ``axis``), tiles from ``tile_size`` along the
+        other axes (an int or fraction applies to each), sub-byte codes packed
+        along the last of them.
+        """
+        if self.weight_qtype is None:
+            return None
+        axis %= ndim
+        rest = tuple(a for a in range(ndim) if a != axis)
+        return HowToQuantize(
+            qtype=self.weight_qtype,
+            channelwise_axes=(axis,),
+            tiled_axes=self._tiles(ndim, rest),
+            calibration=self.weight_calibration_method,
+            pack=_packable(self.weight_qtype) and bool(rest),
+            pack_axis=rest[-1] if rest else -1,
         )
 
     def act_spec(self, ndim: int, contracting_axes: Sequence[int] = ()) -> HowToQuantize | None:
