@@ -38,6 +38,7 @@ PUBLIC = {
     "ragged_dot",
     "requantize",
     "sqnr_db",
+    "take",
     "train_conv_general_dilated",
     "train_dot_general",
     "train_einsum",
