@@ -523,13 +523,7 @@ class QtProvider(Provider):
         scales: list[tuple[str, jax.Array] | None] = [None, None]
         for i, (x, plan) in enumerate(zip(call.operands, plans, strict=True)):
             if isinstance(plan, Weight):
-                if isinstance(plan.source.value, QuantizedParam):
-                    raise ValueError(
-                        f"param {plan.source.path!r} is already quantized; QtProvider trains "
-                        "float params (quantize them with PtqProvider after training)"
-                    )
-                if ctx.mode is Mode.DISCOVER:
-                    ctx.recipes.setdefault(plan.source.path, _weight_recipe(plan, x))
+                _float_weight(ctx, plan, x)
                 specs[i] = plan.spec
             elif isinstance(plan, Activation) and plan.spec is not None:
                 specs[i] = plan.spec
@@ -553,13 +547,7 @@ class QtProvider(Provider):
         return _static_forward(call, specs, scales)
 
     def lookup(self, ctx, plan, table, a):  # noqa: D102 - see Provider
-        if isinstance(plan.source.value, QuantizedParam):
-            raise ValueError(
-                f"table {plan.source.path!r} is already quantized; QtProvider trains float "
-                "params (quantize them with PtqProvider after training)"
-            )
-        if ctx.mode is Mode.DISCOVER:
-            ctx.recipes.setdefault(plan.source.path, _weight_recipe(plan, table))
+        _float_weight(ctx, plan, table)
         # Forward: the PTQ lookup's values; backward: straight through to the rows.
         fq = qcore.fake_quant(table, plan.spec, clip_gradient=self.clip_gradient)
         return jnp.take(
@@ -600,6 +588,17 @@ class QtProvider(Provider):
             sites.put("quant_stats", plan.site, stat)
         assert stat is not None
         return jnp.where(stat["count"] > 0, stats.scale(stat, plan.qtype), batch)
+
+
+def _float_weight(ctx: CallContext, plan: Weight, x: jax.Array) -> None:
+    """Checks that a QAT weight is float and records its recipe when discovering."""
+    if isinstance(plan.source.value, QuantizedParam):
+        raise ValueError(
+            f"param {plan.source.path!r} is already quantized; QtProvider trains float "
+            "params (quantize them with PtqProvider after training)"
+        )
+    if ctx.mode is Mode.DISCOVER:
+        ctx.recipes.setdefault(plan.source.path, _weight_recipe(plan, x))
 
 
 def _static_forward(
