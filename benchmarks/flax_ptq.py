@@ -26,8 +26,6 @@ Run: ``nox -s bench`` (or ``python benchmarks/flax_ptq.py --help``).
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import statistics
 import sys
 from collections.abc import Callable
@@ -38,8 +36,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-import plots
-from ops import load_qwix, machine, measured_on, replace_section, time_impl
+from ops import load_qwix, measured_on, publish, replace_section, run_info, time_impl
 
 import qflax
 
@@ -128,9 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.reps < 5:
         parser.error(f"--reps must be >= 5, got {args.reps}")
     qwix = load_qwix(args.no_qwix)
-    info = machine() | {"qwix": getattr(qwix, "__version__", None), "qflax": qflax.__version__}
-    info |= {"date": datetime.date.today().isoformat(), "reps": args.reps}
-    print(json.dumps(info, indent=1))
+    info = run_info(args.reps, qwix=getattr(qwix, "__version__", None), qflax=qflax.__version__)
     probe = jnp.ones((1, WIDTH))
     params = Stack().init(jax.random.key(0), probe)["params"]
     configs: dict[str, tuple[Callable, Any]] = {
@@ -173,12 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     data = {"machine": info, "rows": rows}
     print()
     print(table(rows))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(data, indent=1))
-    print(f"\nwrote {args.out}")
-    if args.readme:
-        update_readme(data, HERE / "README.md")
-        print(f"updated {HERE / 'README.md'} and {plots.save('flax_ptq', data)}")
+    publish("flax_ptq", data, args.out, args.readme, update_readme)
     return 0
 
 

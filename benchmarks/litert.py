@@ -15,8 +15,6 @@ Run: ``nox -s bench`` (or ``python benchmarks/litert.py --help``).
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import statistics
 import sys
 import time
@@ -26,8 +24,7 @@ from typing import Any
 import flax.linen as nn
 import jax
 import numpy as np
-import plots
-from ops import machine, measured_on, replace_section
+from ops import measured_on, publish, replace_section, run_info
 
 import qlitert
 
@@ -146,9 +143,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--reps must be >= 5, got {args.reps}")
     from sklearn.datasets import load_digits  # noqa: PLC0415 - benchmark-only dependency
 
-    info = machine() | {"qlitert": qlitert.__version__, "reps": args.reps, "calls": args.calls}
-    info["date"] = datetime.date.today().isoformat()
-    print(json.dumps(info, indent=1))
+    info = run_info(args.reps, qlitert=qlitert.__version__, calls=args.calls)
     images = (load_digits().images[..., None] / 16.0).astype(np.float32)
     cnn = DigitsCNN()
     cnn_params = cnn.init(jax.random.key(0), images[:1])
@@ -172,11 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(table(rows))
     data = {"machine": info, "rows": rows}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(data, indent=1))
-    if args.readme:
-        update_readme(data, HERE / "README.md")
-        print(f"updated {HERE / 'README.md'} and {plots.save('litert', data)}")
+    publish("litert", data, args.out, args.readme, update_readme)
     return 0
 
 

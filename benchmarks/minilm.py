@@ -41,7 +41,6 @@ from __future__ import annotations
 import argparse
 import ast
 import dataclasses
-import datetime
 import json
 import re
 import statistics
@@ -56,10 +55,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-import plots
 from flax import traverse_util
 from minilm_model import MiniLM, load_params, load_tokenizer, tokenize
-from ops import load_qwix, machine, measured_on, replace_section
+from ops import load_qwix, measured_on, publish, replace_section, run_info
 
 import qflax
 
@@ -407,18 +405,17 @@ def main(argv: list[str] | None = None) -> int:
         for i in range(0, len(cal_ids), BATCH)
     ]
     print(f"{len(sentences)} of {len(pool)} stdlib docstring sentences, ids {ids.shape}")
-    info = machine() | {"qwix": getattr(qwix, "__version__", None), "qflax": qflax.__version__}
-    info |= {
-        "date": datetime.date.today().isoformat(),
-        "reps": args.reps,
-        "sentences": len(sentences),
-        "sentence_pool": len(pool),
-        "batch": [BATCH, int(ids.shape[1])],
-        "truncated": int(np.sum(mask[:, -1])),
-        "calibration_sentences": len(cal_ids),
-        "mixed_precision_calibration_sentences": min(MP_BATCHES * BATCH, len(cal_ids)),
-    }
-    print(json.dumps(info, indent=1), flush=True)
+    info = run_info(
+        args.reps,
+        qwix=getattr(qwix, "__version__", None),
+        qflax=qflax.__version__,
+        sentences=len(sentences),
+        sentence_pool=len(pool),
+        batch=[BATCH, int(ids.shape[1])],
+        truncated=int(np.sum(mask[:, -1])),
+        calibration_sentences=len(cal_ids),
+        mixed_precision_calibration_sentences=min(MP_BATCHES * BATCH, len(cal_ids)),
+    )
 
     built: dict[str, tuple[Config, Apply, Any]] = {}
     embeddings: dict[str, np.ndarray] = {}
@@ -481,15 +478,10 @@ def main(argv: list[str] | None = None) -> int:
     data = {"machine": info, "reference_check": reference, "rows": rows, "failed": failed}
     print()
     print(table(data))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
     if args.quick:
         print("\n--quick: results not written")
         return 0
-    args.out.write_text(json.dumps(data, indent=1))
-    print(f"\nwrote {args.out}")
-    if args.readme:
-        update_readme(data, HERE / "README.md")
-        print(f"updated {HERE / 'README.md'} and {plots.save('minilm', data)}")
+    publish("minilm", data, args.out, args.readme, update_readme)
     return 0
 
 

@@ -227,6 +227,29 @@ def machine() -> dict[str, Any]:
     }
 
 
+def run_info(reps: int, **extra: Any) -> dict[str, Any]:
+    """Prints and returns what a run is measured on: machine, date, repetitions, ``extra``."""
+    info = machine() | {"date": datetime.date.today().isoformat(), "reps": reps} | extra
+    print(json.dumps(info, indent=1), flush=True)
+    return info
+
+
+def publish(
+    name: str,
+    data: dict[str, Any],
+    out: Path,
+    readme: bool,
+    update_readme: Callable[[dict[str, Any], Path], None],
+) -> None:
+    """Writes the results JSON; with ``readme``, rewrites the README section and the chart."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(data, indent=1))
+    print(f"\nwrote {out}")
+    if readme:
+        update_readme(data, HERE / "README.md")
+        print(f"updated {HERE / 'README.md'} and {plots.save(name, data)}")
+
+
 def table(rows: list[dict[str, Any]]) -> str:
     """Markdown table of the results; quantized configs slower than fp32 are flagged."""
     lines = [
@@ -321,9 +344,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.reps < 5:
         parser.error(f"--reps must be >= 5, got {args.reps}")
     qwix = load_qwix(args.no_qwix)
-    info = machine() | {"qwix": getattr(qwix, "__version__", None)}
-    info |= {"date": datetime.date.today().isoformat(), "reps": args.reps, "ring": args.ring}
-    print(json.dumps(info, indent=1))
+    info = run_info(args.reps, qwix=getattr(qwix, "__version__", None), ring=args.ring)
     rows: list[dict[str, Any]] = []
     impls = matmul_impls(qwix)
     shapes = MATMUL_SHAPES[:1] if args.quick else MATMUL_SHAPES
@@ -344,13 +365,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     print()
     print(table(rows))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    data = {"machine": info, "rows": rows}
-    args.out.write_text(json.dumps(data, indent=1))
-    print(f"\nwrote {args.out}")
-    if args.readme:
-        update_readme(data, HERE / "README.md")
-        print(f"updated {HERE / 'README.md'} and {plots.save('ops', data)}")
+    publish("ops", {"machine": info, "rows": rows}, args.out, args.readme, update_readme)
     return 0
 
 

@@ -31,8 +31,6 @@ Run: ``nox -s bench`` (or ``python benchmarks/quantize_params.py --help``).
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import statistics
 import sys
 import time
@@ -44,8 +42,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-import plots
-from ops import load_qwix, machine, measured_on, replace_section
+from ops import load_qwix, measured_on, publish, replace_section, run_info
 
 import qflax
 
@@ -136,9 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.reps < 5:
         parser.error(f"--reps must be >= 5, got {args.reps}")
     qwix = load_qwix(args.no_qwix)
-    info = machine() | {"qwix": getattr(qwix, "__version__", None), "qflax": qflax.__version__}
-    info |= {"date": datetime.date.today().isoformat(), "reps": args.reps}
-    print(json.dumps(info, indent=1))
+    info = run_info(args.reps, qwix=getattr(qwix, "__version__", None), qflax=qflax.__version__)
     init = jax.jit(lambda key: Wide().init(key, jnp.ones((1, IN)))["params"])
     params = jax.block_until_ready(init(jax.random.key(0)))
     kernel_bytes = sum(params[f"dense_{i}"]["kernel"].nbytes for i in range(LAYERS))
@@ -179,12 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     print()
     print(table(data))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(data, indent=1))
-    print(f"\nwrote {args.out}")
-    if args.readme:
-        update_readme(data, HERE / "README.md")
-        print(f"updated {HERE / 'README.md'} and {plots.save('quantize_params', data)}")
+    publish("quantize_params", data, args.out, args.readme, update_readme)
     return 0
 
 
