@@ -321,7 +321,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        print(f"digits_end_to_end.py: error: cannot create --out {out}: {err}", file=sys.stderr)
+        return 2
     start = time.perf_counter()
     rows = run(out, args.quick, args.seed)
     _, _, x_test, _ = load_data()

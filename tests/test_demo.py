@@ -1,9 +1,11 @@
-"""The demo runs end to end in quick mode and its numbers make sense."""
+"""The qcore tour runs end to end in quick mode; both examples refuse unusable --out paths."""
 
 import json
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -32,15 +34,21 @@ def test_qcore_tour_quick(tmp_path):
     assert rows["int8"]["sqnr_db"] > rows["int4"]["sqnr_db"] > 10
 
 
-def test_demo_refuses_an_out_path_that_is_a_file(tmp_path):
+@pytest.mark.parametrize("script", ["qcore_tour.py", "digits_end_to_end.py"])
+@pytest.mark.parametrize("below", [False, True])
+def test_examples_refuse_an_out_path_they_cannot_use(tmp_path, script, below):
+    # --out is an existing file, or a directory that would have to be made under one:
+    # exit code 2, a one-line error naming --out, and the file left as it was.
     target = tmp_path / "file.txt"
     target.write_text("keep me")
+    out = target / "sub" if below else target
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "qcore_tour.py"), "--quick", "--out", str(target)],
+        [sys.executable, str(ROOT / "examples" / script), "--quick", "--out", str(out)],
         capture_output=True,
         text=True,
         timeout=120,
     )
-    assert proc.returncode == 2
-    assert "exists and is not a directory" in proc.stderr
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    message = "cannot create --out" if below else "exists and is not a directory"
+    assert f"{script}: error: " in proc.stderr and message in proc.stderr
     assert target.read_text() == "keep me"

@@ -73,17 +73,3 @@ def test_sizes_shrink_as_the_formats_say(demo):
     assert rows["qflax int4 weights"]["bytes"] < 0.2 * base  # half a byte per weight
     assert rows["qlitert int8 .tflite"]["bytes"] < 0.5 * base
     assert all(r["ms_per_batch"] > 0 for r in rows.values())
-
-
-def test_an_out_path_that_is_a_file_is_refused(tmp_path):
-    target = tmp_path / "file.txt"
-    target.write_text("keep me")
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--quick", "--out", str(target)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode == 2
-    assert "exists and is not a directory" in proc.stderr
-    assert target.read_text() == "keep me"
