@@ -113,8 +113,9 @@ def test_bad_arguments():
     q = qcore.quantize(TABLE, SPECS["int8 per row"])
     with pytest.raises(ValueError, match="indices must be integers"):
         qcore.take(q, jnp.array([1.0]))
-    with pytest.raises(ValueError, match="mode='nearest'"):
-        qcore.take(q, IDS, mode="nearest")
+    for mode in ("nearest", "promise_in_bounds"):  # the latter: not a jnp.take mode
+        with pytest.raises(ValueError, match=f"mode='{mode}'; allowed: None, 'fill', 'clip'"):
+            qcore.take(q, IDS, mode=mode)
     with pytest.raises(ValueError, match="axis"):
         qcore.take(q, IDS, axis=2)
     with pytest.raises(ValueError, match="must be a QArray"):

@@ -23,7 +23,7 @@ from qcore.qarray import Packing, QArray, _axis, dequantize, storage_codes
 
 Array = jax.Array
 
-_MODES = (None, "fill", "clip", "wrap", "promise_in_bounds")
+_MODES = (None, "fill", "clip", "wrap")  # the modes jnp.take accepts
 
 
 def take(
@@ -42,7 +42,7 @@ def take(
         indices: Integer indices (any shape) into ``axis``.
         axis: The axis to gather along (an int; negative counts from the end).
         mode: ``jnp.take``'s out-of-range rule: None or ``"fill"`` (the default:
-            ``fill_value``), ``"clip"``, ``"wrap"`` or ``"promise_in_bounds"``.
+            ``fill_value``), ``"clip"`` or ``"wrap"``.
         fill_value: The value of out-of-range slices in ``"fill"`` mode; default
             NaN (float results).
         dtype: Result dtype; default ``q.dtype``.
@@ -84,13 +84,12 @@ def take(
         raise ValueError(f"axis {a} of q (shape {q.shape}) is empty: nothing to take from")
     # Where jnp.take itself would read each index from (-1: out of range, filled).
     rows = jnp.take(jnp.arange(d, dtype=jnp.int32), indices, mode=mode, fill_value=-1)
-    safe = jnp.clip(rows, 0, max(d - 1, 0))
-    tile = d // q.scale.shape[a] if q.scale.shape[a] else 1
+    safe = jnp.clip(rows, 0, d - 1)
+    tile = d // q.scale.shape[a]  # d for one scale along the axis: every row reads block 0
 
+    # The gathers below get in-range indices; "clip" spares them jnp.take's fill mask.
     def gather(x: Array | None) -> Array | None:
-        if x is None:
-            return None
-        return jnp.take(x, safe // tile if x.shape[a] != 1 else safe * 0, axis=a, mode="clip")
+        return None if x is None else jnp.take(x, safe // tile, axis=a, mode="clip")
 
     k = indices.ndim
     out_ndim = q.ndim - 1 + k
