@@ -107,16 +107,25 @@ def test_rules_that_do_not_name_take_leave_the_table_float(linen):
     assert isinstance(abstract["embed"]["embedding"], jax.ShapeDtypeStruct)
 
 
-def test_lookup_only_rule_and_attend_rule_that_disagrees_is_refused(linen):
+DISAGREE = [
+    Rule(module_path="embed", op_names=("take",), weight_qtype="int4", tile_size=8),
+    Rule(module_path="embed", op_names=("dot",), weight_qtype="int8"),
+    Rule(weight_qtype="int8"),
+]
+
+
+def test_lookup_and_attend_rules_that_disagree_are_refused(linen):
     model, _, _, _ = linen
-    rules = [
-        Rule(module_path="embed", op_names=("take",), weight_qtype="int4", tile_size=8),
-        Rule(module_path="embed", op_names=("dot",), weight_qtype="int8"),
-        Rule(weight_qtype="int8"),
-    ]
-    qmodel = qflax.quantize_model(model, qflax.PtqProvider(rules))
+    qmodel = qflax.quantize_model(model, qflax.PtqProvider(DISAGREE))
     with pytest.raises(ValueError, match="'embed/embedding' is used by two ops"):
         qmodel.init(jax.random.key(0), IDS)
+
+
+def test_nnx_lookup_and_attend_rules_that_disagree_are_refused():
+    model = NnxTiedLM(nnx.Rngs(0))
+    with pytest.raises(ValueError, match="'embed/embedding' is used by two ops"):
+        qflax.quantize_model(model, qflax.PtqProvider(DISAGREE), IDS)
+    assert not isinstance(model.embed.embedding.get_raw_value(), qflax.QuantizedParam)
 
 
 def test_tile_that_does_not_divide_the_width_is_a_clear_error(linen):

@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -46,6 +46,7 @@ from qflax.rotation import Hadamard, rotate
 from qflax.rule import QuantizationRule, RuleMatcher
 
 SIDES = ("lhs", "rhs")
+Tiles = tuple[tuple[int, int | float], ...]  # HowToQuantize.tiled_axes, normalised
 _FLOAT_BACKWARD = qcore.BackwardQuant()
 
 
@@ -255,7 +256,7 @@ def transposition(
     moved = dataclasses.replace(
         old,
         channelwise_axes=tuple(sorted(perm.index(a % ndim) for a in old.channelwise_axes)),
-        tiled_axes=tuple((perm.index(a % ndim), t) for a, t in _pairs(old.tiled_axes)),
+        tiled_axes=tuple((perm.index(a % ndim), t) for a, t in cast(Tiles, old.tiled_axes)),
         pack_axis=perm.index(old.pack_axis % ndim),
     )
     wanted = dataclasses.replace(
@@ -266,9 +267,21 @@ def transposition(
     return perm if moved == wanted else None
 
 
-def _pairs(tiles: Any) -> tuple[tuple[int, int | float], ...]:
-    """A spec's ``tiled_axes`` (normalised to ``(axis, tile)`` pairs by HowToQuantize)."""
-    return tuple(tiles)
+def _shared_view(known: Recipe, recipe: Recipe, path: str) -> tuple[int, ...]:
+    """How an op quantizing param ``path`` as ``recipe`` views it quantized as ``known``.
+
+    Two ops may share one quantized param when one's layout is a transpose of the
+    other's with the scales, tiles and packing moving along (a tied embedding's
+    lookup and ``attend``); returns that axis order, or raises.
+    """
+    perm = transposition(known, recipe.spec, recipe.transforms, recipe.compute_shape())
+    if perm is None or known.rotation != recipe.rotation:
+        raise ValueError(
+            f"param {path!r} is used by two ops that quantize it differently "
+            f"({known.spec} in layout {known.transforms} vs {recipe.spec} in layout "
+            f"{recipe.transforms}); give them rules that agree"
+        )
+    return perm
 
 
 def _permutation(chain: tuple, ndim: int) -> tuple[int, ...] | None:
@@ -432,27 +445,12 @@ class PtqProvider(Provider):
         # nn.scan every trace reads a new value, so nothing crosses traces).
         written = seen[1] if seen is not None and seen[0] is source.value else None
         if written is not None:
-            perm = transposition(written.recipe, recipe.spec, recipe.transforms, tuple(x.shape))
-            if perm is None or written.recipe.rotation != recipe.rotation:
-                raise ValueError(
-                    f"param {source.path!r} is used by two ops that quantize it differently "
-                    f"({written.recipe.spec} in layout {written.recipe.transforms} vs "
-                    f"{recipe.spec} in layout {recipe.transforms}); give them rules that agree"
-                )
-            return written.qarray.transpose(*perm)
+            return written.qarray.transpose(*_shared_view(written.recipe, recipe, source.path))
         qp = quantize_param(source.value, recipe)
         if ctx.mode is Mode.DISCOVER:
             known = ctx.recipes.setdefault(source.path, recipe)
-            if known != recipe and (
-                known.rotation != recipe.rotation
-                or transposition(known, recipe.spec, recipe.transforms, recipe.compute_shape())
-                is None
-            ):
-                raise ValueError(
-                    f"param {source.path!r} is used by two ops that quantize it differently "
-                    f"({known.spec} in layout {known.transforms} vs {recipe.spec} in "
-                    f"layout {recipe.transforms}); give them rules that agree"
-                )
+            if known != recipe:
+                _shared_view(known, recipe, source.path)
         else:
             ctx.write_param(source, qp)
         ctx.written[source.path] = (source.value, qp)
