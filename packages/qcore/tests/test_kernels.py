@@ -1,6 +1,7 @@
 """The CPU matmul kernels behind qcore.dot_general: taken when they apply, and exact."""
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -42,8 +43,8 @@ def test_weight_only_kernels_match_the_float64_product(name, m):
     q, w64, k_axis = _weight(name)
     x = jax.random.normal(jax.random.key(m), (m, K))
     dims = (((1,), (k_axis,)), ((), ()))
-    assert kernels.fast_dot_general(x, q, dims, None) is not None
-    y = qcore.dot_general(x, q, dims)
+    y = kernels.fast_dot_general(x, q, dims, None)
+    assert y is not None
     ref = np.asarray(x, np.float64) @ w64
     # The int8-digit trick carries ~23 bits of each activation row: f32-level error.
     assert float(np.max(np.abs(y - ref)) / np.max(np.abs(ref))) < 1e-6
@@ -142,3 +143,44 @@ def test_explicitly_sharded_operands_take_the_general_path():
     from qcore import testing
 
     assert testing.run_on_cpu_devices(EXPLICIT_SHARDING, 8).strip() == "ok"
+
+
+def _dots(f, *args):
+    """The dot_general equations of ``f``'s jaxpr, nested jaxprs (scan, pjit) included."""
+    found = []
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "dot_general":
+                found.append(eqn)
+            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+                walk(sub)
+
+    walk(jax.make_jaxpr(f)(*args).jaxpr)
+    return found
+
+
+@pytest.mark.parametrize("name", ["int8 kn", "int4 packed kn tile 128", "nf4 tile 64"])
+def test_weight_only_products_with_many_rows_run_one_float_dot(name):
+    how = (
+        dict(qtype="nf4", channelwise_axes=(1,), tiled_axes={0: 64}, pack=True, pack_axis=0)
+        if name == "nf4 tile 64"
+        else WEIGHTS[name][0]
+    )
+    q = qcore.quantize(W, qcore.HowToQuantize(**how))
+    w64 = np.asarray(qcore.dequantize(q), np.float64)
+    dims = (((2,), (0,)), ((), ()))
+    many = jax.random.normal(jax.random.key(3), (2, 16, K))  # 32 rows: compute-bound
+    dots = _dots(lambda x, q: qcore.dot_general(x, q, dims), many, q)
+    # One dot, of the activation with the whole dequantized float32 weight.
+    assert [tuple(v.aval.shape) for v in dots[0].invars] == [(2, 16, K), (K, N)]
+    assert len(dots) == 1 and dots[0].invars[1].aval.dtype == jnp.float32
+    y = qcore.dot_general(many, q, dims)
+    ref = np.asarray(many, np.float64) @ w64
+    assert float(np.max(np.abs(y - ref)) / np.max(np.abs(ref))) < 1e-6
+    # Fewer rows keep the kernels / the grouped path, which never dequantize the weight.
+    few = many[:1, :8]
+    assert all(
+        (K, N) not in [tuple(v.aval.shape) for v in d.invars]
+        for d in _dots(lambda x, q: qcore.dot_general(x, q, dims), few, q)
+    )

@@ -15,10 +15,15 @@ The contraction is rewritten so that scales never multiply the inputs:
 
 When the groups would make that intermediate result large (fine scale tiles along
 the contraction, such as one activation scale per input channel), the operands are
-dequantized and contracted in float32 instead.
+dequantized and contracted in float32 instead. So is a weight-only product (one
+float operand) with many rows (at least 32, or 1024 for weights over 16 MiB as
+float32): it is compute-bound, and one float dot on the dequantized weight runs as
+fast as the float model, where the blocked kernels of :mod:`qcore.ops.kernels` and
+the grouped path above cost up to several times more. Weight-only products with
+fewer rows (decoding) take the kernels, which never materialise the weight.
 
-This equals dequantize-then-contract up to float rounding, and never
-materialises a scaled copy of either operand.
+This equals dequantize-then-contract up to float rounding; apart from the two
+dequantizing cases above, it never materialises a scaled copy of either operand.
 
 Result dtype: ``preferred_element_type`` if given, else the promotion of the
 operands' dtypes, where a QArray counts with its scale's dtype (or, for block
@@ -95,10 +100,38 @@ def dot_general(
 def _dot_general(lhs, rhs, dims, precision, preferred) -> Array:
     a, b = operand(lhs), operand(rhs)
     out_dtype = preferred or promote(a.dtype, b.dtype)
+    if _dequantize_first(lhs, rhs, dims):
+        deq = [x.dequantized() for x in (a, b)]
+        return lax.dot_general(*deq, dims, precision, jnp.float32).astype(out_dtype)
     y = kernels.fast_dot_general(lhs, rhs, dims, precision)
     if y is None:
         y = scaled_dot_general(a, b, dims, precision)
     return y.astype(out_dtype)
+
+
+# Weight-only products with many activation rows are compute-bound: one float dot on
+# the dequantized weight then costs what the float model costs, while the kernels'
+# blocked loops and the grouped general path add 20-500 % (measured on 2-core Zen 5:
+# (4096, 384) x (384, 1536) int8 per-channel 59 ms, nf4 tile 64 176 ms, float 26 ms,
+# dequantize-then-dot 26 ms). A weight's float copy is a fresh temporary each call,
+# cheap while it stays below glibc's 32 MiB mmap threshold; larger weights pay page
+# faults (~30 ms for 64 MiB), which only many rows amortise.
+_DEQUANTIZE_ROWS = 32
+_DEQUANTIZE_ROWS_LARGE = 1024
+_LARGE_WEIGHT_BYTES = 16 * 2**20
+
+
+def _dequantize_first(lhs: Any, rhs: Any, dims) -> bool:
+    """Whether a weight-only product should dequantize its QArray and run one float dot."""
+    if isinstance(lhs, QArray) == isinstance(rhs, QArray):
+        return False
+    (lc, rc), (lb, rb) = dims
+    x, contracting, batch = (rhs, rc, rb) if isinstance(lhs, QArray) else (lhs, lc, lb)
+    w = lhs if isinstance(lhs, QArray) else rhs
+    rows = math.prod(d for i, d in enumerate(x.shape) if i not in contracting and i not in batch)
+    weight_bytes = 4 * math.prod(w.shape)
+    limit = _DEQUANTIZE_ROWS if weight_bytes <= _LARGE_WEIGHT_BYTES else _DEQUANTIZE_ROWS_LARGE
+    return rows >= limit
 
 
 def _axes(axes: Sequence[int], ndim: int, name: str) -> tuple[int, ...]:
