@@ -142,6 +142,48 @@ def qflax_serve(params: Any, ids: jax.Array, mask: jax.Array, rules: Any) -> tup
     return jax.jit(lambda p, i, m: qmodel.apply({"params": p}, i, m)), qparams
 
 
+# The embedding tables (word, position, token type): looked up with jnp.take by nn.Embed.
+EMBEDDINGS = r"embeddings/\w+_embeddings"
+TABLE_INT8 = {"weight_qtype": "int8"}
+TABLE_INT4 = {"weight_qtype": "int4", "tile_size": 32}
+
+
+def qflax_ptq_tables(table: dict[str, Any], **rule: Any) -> Build:
+    """``rule`` over the encoder's Dense matmuls plus ``table`` over the three tables."""
+
+    def build(params: Any, ids: jax.Array, mask: jax.Array) -> tuple[Apply, Any]:
+        tables = qflax.QuantizationRule(module_path=EMBEDDINGS, op_names=["take"], **table)
+        return qflax_serve(params, ids, mask, [tables, *encoder_rules(**rule)])
+
+    return build
+
+
+def qflax_recipe(ratio: float) -> Build:
+    """``qflax.recipe.four_bit``: all params (tables included) <= ``ratio`` x float bytes."""
+
+    def build(params: Any, ids: jax.Array, mask: jax.Array) -> tuple[Apply, Any]:
+        from qflax.recipe import four_bit  # noqa: PLC0415
+
+        result = four_bit(
+            MiniLM(),
+            params,
+            CALIBRATION,
+            budget_ratio=ratio,
+            module_path=f"{EMBEDDINGS}|{ENCODER_DENSE}",
+            search_batches=MP_BATCHES,
+            progress=False,
+        )
+        print(result.to_text(), flush=True)
+        RECIPE_REPORT[:] = [result.to_text()]
+        return qflax_serve(result.params, ids, mask, list(result.rules))
+
+    return build
+
+
+# The recipe's per-op report of the last run (written next to the results JSON).
+RECIPE_REPORT: list[str] = []
+
+
 def qflax_gptq(**kw: Any) -> Build:
     """qflax GPTQ (``qflax.gptq.gptq``) with the int4 t128 rule, on the calibration batches."""
 
@@ -287,6 +329,9 @@ CONFIGS += [
     Config("int4 RTN t128 Hadamard", "qflax", qflax_ptq(**INT4_T128, rotation="hadamard")),
     Config("w8a8 SmoothQuant", "qflax", qflax_smoothquant(0.5)),
     Config("mixed ≤0.2×", "qflax", qflax_mixed(0.2)),
+    Config("w8a8 + int8 table", "qflax", qflax_ptq_tables(TABLE_INT8, **RULES["w8a8"])),
+    Config("w8 + int4 table t32", "qflax", qflax_ptq_tables(TABLE_INT4, **RULES["w8"])),
+    Config("4-bit recipe ≤0.2× total", "qflax", qflax_recipe(0.2)),
 ]
 CONFIGS += [Config(name, "qwix", qwix_ptq(**rule)) for name, rule in RULES.items()]
 CONFIGS += [Config("int4 GPTQ t128", "qwix", qwix_gptq(**INT4_T128))]
@@ -475,7 +520,10 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         r["speedup_vs_float"] = fp["median_ms_per_batch"] / r["median_ms_per_batch"]
         r["encoder_bytes_vs_float"] = r["encoder_bytes"] / fp["encoder_bytes"]
+        r["total_bytes_vs_float"] = r["total_bytes"] / fp["total_bytes"]
     data = {"machine": info, "reference_check": reference, "rows": rows, "failed": failed}
+    if RECIPE_REPORT:
+        data["recipe_report"] = RECIPE_REPORT[0]
     print()
     print(table(data))
     if args.quick:
@@ -489,8 +537,8 @@ def table(data: dict[str, Any]) -> str:
     """Markdown table of the results."""
     lines = [
         "| config | library | mean cos | min cos | top-1 NN agree | ms/batch | vs float "
-        "| encoder KiB | vs float | total MiB |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| encoder KiB | vs float | total MiB | vs float |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in data["rows"]:
         kib = f"{r['encoder_bytes'] / 2**10:,.0f}" + (" †" if r["int4_counted_packed"] else "")
@@ -498,7 +546,7 @@ def table(data: dict[str, Any]) -> str:
             f"| {r['config']} | {r['library']} | {r['mean_cos']:.5f} | {r['min_cos']:.4f} | "
             f"{r['top1_nn_agreement']:.3f} | {r['median_ms_per_batch']:.0f} | "
             f"{r['speedup_vs_float']:.2f}× | {kib} | {r['encoder_bytes_vs_float']:.3f} | "
-            f"{r['total_bytes'] / 2**20:.1f} |"
+            f"{r['total_bytes'] / 2**20:.1f} | {r['total_bytes_vs_float']:.3f} |"
         )
     for key, why in data["failed"].items():
         lines.append(f"| {key.split(' ', 1)[1]} | {key.split(' ', 1)[0]} | failed: {why} |")
@@ -523,6 +571,12 @@ def update_readme(data: dict[str, Any], path: Path) -> None:
             "`nbytes` says one).",
         ]
     )
+    if "recipe_report" in data:
+        body += (
+            "\n\nWhich type the 4-bit recipe gave each op (`FourBitResult.to_text()`; "
+            "alone SQNR: the model's output SQNR with only that op quantized, on the "
+            "search's batches):\n\n```text\n" + data["recipe_report"] + "\n```"
+        )
     replace_section(path, "minilm", body)
 
 

@@ -189,3 +189,71 @@ def test_qat_lookup_gradient_is_straight_through_to_the_looked_up_rows():
     ptq = qflax.quantize_model(model, qflax.PtqProvider(rules))
     q = qflax.quantize_params(params, jax.eval_shape(ptq.init, jax.random.key(0), IDS)["params"])
     np.testing.assert_array_equal(qat.apply({"params": params}, IDS), ptq.apply({"params": q}, IDS))
+
+
+def test_orbax_round_trip_and_rules(linen, tmp_path):
+    _, params, qmodel, abstract = linen
+    q = qflax.quantize_params(params, abstract)
+    checkpoint.save(tmp_path / "ckpt", q, rules=RULES)
+    back = checkpoint.load(tmp_path / "ckpt", abstract)
+    for x, y in zip(jax.tree.leaves(back), jax.tree.leaves(q), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    assert checkpoint.load_rules(tmp_path / "ckpt") == RULES
+    np.testing.assert_array_equal(
+        qmodel.apply({"params": back}, IDS), qmodel.apply({"params": q}, IDS)
+    )
+
+
+class Indexing(nn.Module):
+    """A table looked up by plain indexing, and sliced (not a lookup: left float)."""
+
+    mode: str | None = None
+
+    @nn.compact
+    def __call__(self, ids):
+        table = self.param("table", nn.initializers.normal(1.0), (VOCAB, WIDTH))
+        rows = table[ids] if self.mode is None else table.at[ids].get(mode=self.mode)
+        return rows, table[:, :4]
+
+
+INDEX_RULES = [Rule(module_path=".*", op_names=("take",), weight_qtype="int4", tile_size=8)]
+# In range, negative (counted from the end), and out of range on both sides.
+ODD_IDS = jnp.array([[0, 7, VOCAB - 1], [-1, VOCAB + 3, -VOCAB - 5]])
+
+
+@pytest.mark.parametrize("mode", [None, "clip", "fill", "promise_in_bounds"])
+def test_plain_indexing_of_a_param_is_a_quantized_lookup(mode):
+    model = Indexing(mode)
+    params = model.init(jax.random.key(0), IDS)["params"]
+    qmodel = qflax.quantize_model(model, qflax.PtqProvider(INDEX_RULES))
+    abstract = jax.eval_shape(qmodel.init, jax.random.key(0), IDS)["params"]
+    q = qflax.quantize_params(params, abstract)
+    assert isinstance(q["table"], qflax.QuantizedParam)
+    assert q["table"].qarray.qvalue.shape == (VOCAB, WIDTH // 2)  # int4, packed
+    dequantized = qcore.dequantize(q["table"].qarray)
+    rows, sliced = jax.jit(qmodel.apply)({"params": q}, ODD_IDS)
+    # JAX's own indexing of the dequantized table, out-of-range rule included
+    # (clamped, or NaN rows for "fill"), never the whole table dequantized in the model.
+    expected = dequantized[ODD_IDS] if mode is None else dequantized.at[ODD_IDS].get(mode=mode)
+    np.testing.assert_array_equal(rows, expected)
+    assert np.isnan(np.asarray(rows)).any() == (mode == "fill")
+    # The slice is not a lookup: it reads the dequantized table like the float model.
+    np.testing.assert_array_equal(sliced, dequantized[:, :4])
+
+
+def test_nnx_plain_indexing_is_a_quantized_lookup():
+    class NnxIndexing(nnx.Module):
+        def __init__(self, rngs):
+            self.table = nnx.Param(jax.random.normal(rngs.params(), (VOCAB, WIDTH)))
+
+        def __call__(self, ids):
+            return self.table[ids]
+
+    model = NnxIndexing(nnx.Rngs(0))
+    float_table = np.asarray(model.table[...])
+    qmodel = qflax.quantize_model(model, qflax.PtqProvider(INDEX_RULES), IDS)
+    table = nnx.to_pure_dict(nnx.state(qmodel))["table"]
+    assert isinstance(table, qflax.QuantizedParam)
+    dequantized = qcore.dequantize(table.qarray)
+    np.testing.assert_array_equal(qmodel(ODD_IDS), dequantized[ODD_IDS])
+    assert 0 < float(jnp.max(jnp.abs(dequantized - float_table))) < 0.5

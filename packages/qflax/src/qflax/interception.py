@@ -7,7 +7,8 @@ The contract::
 
 Inside the block, on the calling thread only, every call of ``lax.dot_general``,
 ``jnp.einsum``, ``jnp.dot``, ``jnp.matmul`` (and so the ``@`` operator),
-``lax.conv_general_dilated``, ``lax.ragged_dot`` and ``jnp.take`` becomes
+``lax.conv_general_dilated``, ``lax.ragged_dot``, ``jnp.take`` and array indexing
+(``x[idx]``, ``x.at[idx].get()``; both reported as ``"take"``) becomes
 ``handler(op_name, original, args, kwargs)``, whose return value is the op's
 result (``original(*args, **kwargs)`` runs the unmodified op). Ops called while a
 handler runs (e.g. the ``dot_general`` inside ``einsum``, or qcore's own ops) are
@@ -53,10 +54,13 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from flax.core import scope as _scope
+from flax.typing import MISSING, Missing
 from jax._src.lax import convolution as _convolution
 from jax._src.lax import lax as _lax
+from jax._src.numpy import indexing as _indexing
 
 Handler = Callable[[str, Callable[..., Any], tuple, dict], Any]
 
@@ -70,8 +74,9 @@ OP_NAMES: tuple[str, ...] = (
     "take",
 )
 # The ops a rule applies to unless it names others: every contraction and
-# convolution. Table lookups ("take": ``jnp.take``, as ``nn.Embed`` calls it) are
-# quantized only by rules that name them, so existing rules keep tables float.
+# convolution. Table lookups ("take": ``jnp.take``, as ``nn.Embed`` calls it, and
+# indexing ``table[ids]``) are quantized only by rules that name them, so existing
+# rules keep tables float.
 DEFAULT_OP_NAMES: tuple[str, ...] = OP_NAMES[:-1]
 VALUE_NAMES: tuple[str, ...] = (
     "linen_get_variable",
@@ -105,6 +110,7 @@ def _targets() -> list[tuple[str, types.FunctionType]]:
         ("matmul", python_function(jnp.matmul)),
         ("dot", python_function(jnp.dot)),
         ("take", python_function(jnp.take)),
+        ("take", python_function(_indexing.rewriting_take)),
         ("linen_get_variable", python_function(_scope.Scope.get_variable)),
         ("linen_put_variable", python_function(_scope.Scope.put_variable)),
         ("nnx_get_value", python_function(nnx.Variable.get_value)),
@@ -196,6 +202,10 @@ def _dispatch(index: int, args: tuple, kwargs: dict) -> Any:
         handler = _state.values
         if handler is None:
             return original(*args, **kwargs)
+        if name == "nnx_get_value" and _indexed_read(args, kwargs):
+            # ``variable[ids]``: the whole value is read (and reported), then indexed
+            # outside the handlers, so that a lookup reaches the op handler as "take".
+            return _dispatch(index, args, {})[kwargs["index"]]
     _state.busy = True
     try:
         # Handlers run with jit enabled: their jitted helpers (qcore's ops) then
@@ -204,6 +214,16 @@ def _dispatch(index: int, args: tuple, kwargs: dict) -> Any:
             return handler(name, original, args, kwargs)
     finally:
         _state.busy = False
+
+
+def _indexed_read(args: tuple, kwargs: dict) -> bool:
+    """Whether an ``nnx.Variable.get_value`` call is a lookup (``variable[ids]``)."""
+    index = kwargs.get("index", MISSING)
+    if isinstance(index, tuple) and len(index) == 1:
+        index = index[0]
+    if isinstance(index, Missing) or not args or "on_get_value" in args[0].get_metadata():
+        return False
+    return isinstance(index, jax.Array | np.ndarray) and jnp.issubdtype(index.dtype, jnp.integer)
 
 
 def install() -> None:

@@ -70,8 +70,9 @@ import numpy as np
 from flax import nnx
 
 import qcore
+from qflax.interception import DEFAULT_OP_NAMES
 from qflax.progress import track
-from qflax.report import OpKey, Runner, Site
+from qflax.report import OpKey, Runner, Site, db_text, text_table
 from qflax.rule import QuantizationRule, TileSize
 
 FLOAT = "float"
@@ -123,25 +124,13 @@ class MixedPrecisionResult:
         for key, qtype in self.assignment.items():
             opt = next(o for o in self.options[key] if o.qtype == qtype)
             db = math.inf if opt.error == 0 else -10 * math.log10(opt.error)
-            rows.append((key[0] or "(root)", key[1], qtype or FLOAT, str(opt.bytes), _db_text(db)))
-        widths = [max(len(r[i]) for r in rows) for i in range(5)]
-        lines = [
-            "  ".join(
-                c.ljust(w) if i < 3 else c.rjust(w)
-                for i, (c, w) in enumerate(zip(r, widths, strict=True))
-            )
-            for r in rows
-        ]
-        lines.insert(1, "  ".join("-" * w for w in widths))
+            rows.append((key[0] or "(root)", key[1], qtype or FLOAT, str(opt.bytes), db_text(db)))
+        lines = text_table(rows, left=3)
         lines.append(
             f"total {self.total_bytes} bytes ({self.total_bytes / self.float_bytes:.3f}x float, "
-            f"budget {self.budget_bytes}); output SQNR {_db_text(self.output_sqnr_db)} dB"
+            f"budget {self.budget_bytes}); output SQNR {db_text(self.output_sqnr_db)} dB"
         )
         return "\n".join(lines)
-
-
-def _db_text(v: float) -> str:
-    return "inf" if v == math.inf else f"{v:.1f}"
 
 
 def _candidate_names(candidates: Sequence[Any]) -> tuple[str | None, ...]:
@@ -180,6 +169,7 @@ def mixed_precision(
     budget_ratio: float | None = None,
     tile_size: TileSize | Mapping[str, TileSize] = None,
     module_path: str = ".*",
+    op_names: Sequence[str] = DEFAULT_OP_NAMES,
     weight_calibration_method: str = "absmax",
     jit: bool = True,
     progress: bool = True,
@@ -202,6 +192,10 @@ def mixed_precision(
             (missing names: per channel).
         module_path: Regex of the modules whose ops may be quantized (others
             stay float and count at float size).
+        op_names: The ops that may be quantized (as in
+            :class:`~qflax.QuantizationRule`); add ``"take"`` to include embedding
+            tables (each table is then one op, with one scale per row and the
+            qtype's ``tile_size`` along the row).
         weight_calibration_method: Weight calibration of every rule.
         jit: Compile each run (one compilation per run and batch shape); False
             runs eagerly (no compilation: faster for small models, few batches).
@@ -236,7 +230,7 @@ def mixed_precision(
             "weight_calibration_method": weight_calibration_method,
         }
         if site is None:
-            return QuantizationRule(module_path=module_path, **fields)
+            return QuantizationRule(module_path=module_path, op_names=op_names, **fields)
         return QuantizationRule(
             module_path=site.exact_rule().module_path, op_names=(site.op_name,), **fields
         )

@@ -29,6 +29,7 @@ from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 import qcore
 from qflax import stats
@@ -105,6 +106,8 @@ class Provider:
         """The op handler for one call (see :func:`qflax.interception.intercept`)."""
 
         def handle(name: str, original: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+            if name == "take" and ctx.source(args[0] if args else kwargs.get("a")) is None:
+                return original(*args, **kwargs)  # not a lookup in a param (most indexing)
             found = ctx.calling_module()
             if found is None:
                 return original(*args, **kwargs)
@@ -114,7 +117,7 @@ class Provider:
             if rule is None or (rule.weight_qtype is None and rule.act_qtype is None):
                 return original(*args, **kwargs)
             if name == "take":
-                return self._take(ctx, rule, original, args, kwargs)
+                return self._take(ctx, rule, original, args, kwargs, path)
             call = bind(name, original, args, kwargs)
             if call is None:
                 return original(*args, **kwargs)
@@ -134,8 +137,9 @@ class Provider:
         original: Callable[..., Any],
         args: tuple,
         kwargs: dict,
+        path: str,
     ) -> jax.Array:
-        """A ``jnp.take`` from a parameter (a table lookup) under ``rule``."""
+        """A lookup in a parameter (``jnp.take``, ``table[ids]``) by module ``path``."""
         a = bind_take(original, args, kwargs)
         source = None if a is None else ctx.source(a["a"])
         if a is None or rule.weight_qtype is None or source is None:
@@ -149,10 +153,12 @@ class Provider:
         spec = rule.lookup_spec(table.ndim, a["axis"])
         assert spec is not None
         _check_tiles(spec, table.shape, source.path)
-        return self.lookup(ctx, Weight(spec, source), table, a)
+        return self.lookup(ctx, Weight(spec, source), table, a, path)
 
-    def lookup(self, ctx: CallContext, plan: Weight, table: jax.Array, a: dict) -> jax.Array:
-        """Computes a table lookup under the plan (implemented by each provider)."""
+    def lookup(
+        self, ctx: CallContext, plan: Weight, table: jax.Array, a: dict, path: str
+    ) -> jax.Array:
+        """Computes module ``path``'s table lookup under the plan (each provider's own)."""
         raise NotImplementedError
 
     # A provider that stores weights rotated (PtqProvider) does not rotate them per call.
@@ -220,20 +226,64 @@ def _check_tiles(spec: qcore.HowToQuantize, shape: tuple[int, ...], path: str) -
 
 
 def bind_take(original: Callable[..., Any], args: tuple, kwargs: dict) -> dict | None:
-    """``jnp.take``'s arguments by name, or None for calls qflax leaves float.
+    """A lookup's arguments as ``jnp.take``'s, by name, or None for calls left float.
 
-    Left float: ``axis=None`` (a lookup in the flattened array), an ``out``
-    argument, a 0-d table.
+    ``original`` is ``jnp.take`` or JAX's indexing (``table[ids]``,
+    ``table.at[ids].get(mode=...)``). Left float: ``jnp.take`` with ``axis=None`` (a
+    lookup in the flattened array) or an ``out`` argument; indexing by anything but
+    one integer array (slices, several indices, boolean masks, Python ints); a 0-d
+    table. Indexing becomes a ``jnp.take`` along axis 0 with its own out-of-range
+    rule: negative ids count from the end, then ids out of range are clamped
+    (``mode=None``, ``"clip"``, ``"promise_in_bounds"``) or give ``fill_value``
+    (``"fill"``, ``"drop"``).
     """
     bound = inspect.signature(original).bind(*args, **kwargs)
     bound.apply_defaults()
     a = dict(bound.arguments)
-    table = a["a"]
-    if a["axis"] is None or a["out"] is not None:
+    if original.__name__ == "rewriting_take":
+        a = _indexing_as_take(a)
+        if a is None:
+            return None
+    elif a["axis"] is None or a["out"] is not None:
         return None
+    table = a["a"]
     if not isinstance(table, jax.Array) or table.ndim == 0:
         return None
     return a
+
+
+_CLAMPING = (None, "clip", "promise_in_bounds")
+_FILLING = ("fill", "drop", "fill_or_drop")
+
+
+def _indexing_as_take(a: dict) -> dict | None:
+    """``rewriting_take``'s arguments (``arr[idx]``) as ``jnp.take``'s, or None."""
+    idx = a["idx"]
+    if isinstance(idx, tuple):
+        if len(idx) != 1:
+            return None
+        idx = idx[0]
+    mode = a["mode"]
+    mode = getattr(mode, "name", mode)
+    mode = mode.lower() if isinstance(mode, str) else mode
+    integer = isinstance(idx, jax.Array | np.ndarray) and jnp.issubdtype(idx.dtype, jnp.integer)
+    if not integer or mode not in _CLAMPING + _FILLING or a["out_sharding"] is not None:
+        return None
+    if mode in _CLAMPING:
+        # Indexing wraps negative ids once, then clamps: jnp.take(mode="clip") clamps only.
+        size = a["arr"].shape[0] if a["arr"].ndim else 0
+        idx, mode = jnp.where(idx < 0, idx + size, idx), "clip"
+    else:
+        mode = "fill"  # "drop" is indexing's name for it; negative ids wrap in both
+    return {
+        "a": a["arr"],
+        "indices": idx,
+        "axis": 0,
+        "mode": mode,
+        "fill_value": a["fill_value"],
+        "unique_indices": a["unique_indices"],
+        "indices_are_sorted": a["indices_are_sorted"],
+    }
 
 
 def transposition(
@@ -376,7 +426,8 @@ class PtqProvider(Provider):
                 operands[i] = _static_quantize(operands[i], plan.qtype, scale)
         return call.run(*operands)
 
-    def lookup(self, ctx, plan, table, a):  # noqa: D102 - see Provider
+    def lookup(self, ctx, plan, table, a, path):  # noqa: D102 - see Provider
+        del path
         q = self._weight(ctx, plan, table)
         return qcore.take(
             q,
@@ -544,7 +595,8 @@ class QtProvider(Provider):
             )
         return _static_forward(call, specs, scales)
 
-    def lookup(self, ctx, plan, table, a):  # noqa: D102 - see Provider
+    def lookup(self, ctx, plan, table, a, path):  # noqa: D102 - see Provider
+        del path
         _float_weight(ctx, plan, table)
         # Forward: the PTQ lookup's values; backward: straight through to the rows.
         fq = qcore.fake_quant(table, plan.spec, clip_gradient=self.clip_gradient)

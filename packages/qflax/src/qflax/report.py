@@ -113,17 +113,24 @@ class _Recorder(PtqProvider):
         self.sites: dict[OpKey, Site] = {}
 
     def compute(self, ctx, call, plans, module, path):  # noqa: D102 - see Provider
-        rule = self._matcher.match(path, call.name)
+        shapes = tuple(tuple(int(d) for d in x.shape) for x in call.operands)
+        self._record(path, call.name, shapes, *plans)
+        return super().compute(ctx, call, plans, module, path)
+
+    def _record(self, path: str, op_name: str, shapes: tuple, *plans: Any) -> None:
+        rule = self._matcher.match(path, op_name)
         assert rule is not None
         weights = tuple(p.source.path for p in plans if isinstance(p, Weight))
-        shapes = tuple(tuple(int(d) for d in x.shape) for x in call.operands)
-        site = self.sites.get((path, call.name))
+        site = self.sites.get((path, op_name))
         if site is None:
-            self.sites[(path, call.name)] = Site(path, call.name, shapes, weights, rule)
+            self.sites[(path, op_name)] = Site(path, op_name, shapes, weights, rule)
         else:
             merged = site.weights + tuple(w for w in weights if w not in site.weights)
-            self.sites[(path, call.name)] = dataclasses.replace(site, weights=merged)
-        return super().compute(ctx, call, plans, module, path)
+            self.sites[(path, op_name)] = dataclasses.replace(site, weights=merged)
+
+    def lookup(self, ctx, plan, table, a, path):  # noqa: D102 - see Provider
+        self._record(path, "take", (tuple(table.shape), tuple(a["indices"].shape)), plan)
+        return super().lookup(ctx, plan, table, a, path)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -364,24 +371,15 @@ class QuantizationReport:
                     "-" if r.tile_size is None else str(r.tile_size),
                     str(r.quantized_bytes),
                     str(r.float_bytes),
-                    _db_text(r.weight_sqnr_db),
-                    _db_text(r.output_sqnr_db),
+                    db_text(r.weight_sqnr_db),
+                    db_text(r.output_sqnr_db),
                 ]
             )
-        widths = [max(len(row[i]) for row in table) for i in range(len(_COLUMNS))]
-        left = {0, 1, 2, 3}
-        lines = [
-            "  ".join(
-                c.ljust(w) if i in left else c.rjust(w)
-                for i, (c, w) in enumerate(zip(row, widths, strict=True))
-            ).rstrip()
-            for row in table
-        ]
-        lines.insert(1, "  ".join("-" * w for w in widths))
+        lines = text_table(table, left=4)
         ratio = self.quantized_bytes / self.float_bytes if self.float_bytes else math.nan
         lines.append(
             f"all params: {self.quantized_bytes} bytes ({ratio:.3f}x of {self.float_bytes} float); "
-            f"output SQNR with every op quantized: {_db_text(self.output_sqnr_db)} dB"
+            f"output SQNR with every op quantized: {db_text(self.output_sqnr_db)} dB"
         )
         return "\n".join(lines)
 
@@ -450,7 +448,7 @@ class QuantizationReport:
         ax_sqnr.set_yticks(y, labels)
         ax_sqnr.invert_yaxis()
         fig.suptitle(
-            f"output SQNR, all ops quantized: {_db_text(self.output_sqnr_db)} dB; "
+            f"output SQNR, all ops quantized: {db_text(self.output_sqnr_db)} dB; "
             f"bytes {self.quantized_bytes} / {self.float_bytes} float"
         )
         out = Path(path)
@@ -458,12 +456,30 @@ class QuantizationReport:
         return out
 
 
+def text_table(rows: Sequence[Sequence[str]], left: int) -> list[str]:
+    """Aligned lines of a text table: a header row, a rule, then the rows.
+
+    The first ``left`` columns are left-aligned, the others (numbers) right-aligned.
+    """
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = [
+        "  ".join(
+            c.ljust(w) if i < left else c.rjust(w)
+            for i, (c, w) in enumerate(zip(row, widths, strict=True))
+        ).rstrip()
+        for row in rows
+    ]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return lines
+
+
 def _qtype_text(weight: str | None, act: str | None) -> str:
     w = weight or "float"
     return w if act is None else f"w:{w} a:{act}"
 
 
-def _db_text(v: float) -> str:
+def db_text(v: float) -> str:
+    """A dB value for a text table: one decimal, or ``inf``."""
     return "inf" if v == math.inf else f"{v:.1f}"
 
 
