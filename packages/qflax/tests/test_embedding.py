@@ -257,3 +257,29 @@ def test_nnx_plain_indexing_is_a_quantized_lookup():
     dequantized = qcore.dequantize(table.qarray)
     np.testing.assert_array_equal(qmodel(ODD_IDS), dequantized[ODD_IDS])
     assert 0 < float(jnp.max(jnp.abs(dequantized - float_table))) < 0.5
+
+
+def test_frozen_quantized_table_passes_gradients_to_the_trainable_params(linen):
+    # QLoRA-style fine-tuning: the quantized table is a constant, the Dense trains.
+    _, params, qmodel, abstract = linen
+    q = qflax.quantize_params(params, abstract)
+    ptq = qflax.quantize_model(TiedLM(), qflax.PtqProvider([TABLE_RULE]))  # Dense float
+    table_only = {
+        "embed": q["embed"],
+        "dense": {k: np.asarray(v) for k, v in params["dense"].items()},
+    }
+    target = jax.random.normal(jax.random.key(5), (*IDS.shape, VOCAB))
+
+    def loss(apply, dense, table):
+        return jnp.sum(apply({"params": {"embed": table, "dense": dense}}, IDS) * target)
+
+    g = jax.grad(loss, argnums=1)(ptq.apply, table_only["dense"], q["embed"])
+    float_table = {"embedding": qcore.dequantize(q["embed"]["embedding"].qarray)}
+    g_ref = jax.grad(loss, argnums=1)(TiedLM().apply, table_only["dense"], float_table)
+    for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g_ref), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
+    # The table's codes are integers: JAX gives them no gradient (float0).
+    codes_grad = jax.grad(lambda t: loss(ptq.apply, table_only["dense"], t), allow_int=True)(
+        q["embed"]
+    )["embedding"].qarray.qvalue
+    assert codes_grad.dtype == jax.dtypes.float0

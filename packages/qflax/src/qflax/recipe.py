@@ -227,7 +227,7 @@ def four_bit(
         tree = nnx.to_pure_dict(nnx.state(model, nnx.Param))
     else:
         tree = params
-    flat = traverse_util.flatten_dict(plain(tree), is_leaf=lambda _, x: is_leaf(x))
+    flat: dict[Any, Any] = traverse_util.flatten_dict(plain(tree), is_leaf=lambda _, x: is_leaf(x))
     for key, value in flat.items():
         path = "/".join(str(k) for k in key)
         if not isinstance(value, QuantizedParam) and path in rtn:

@@ -101,8 +101,10 @@ def _dot_general(lhs, rhs, dims, precision, preferred) -> Array:
     a, b = operand(lhs), operand(rhs)
     out_dtype = preferred or promote(a.dtype, b.dtype)
     if _dequantize_first(lhs, rhs, dims):
-        deq = [x.dequantized() for x in (a, b)]
-        return lax.dot_general(*deq, dims, precision, jnp.float32).astype(out_dtype)
+        y = lax.dot_general(
+            a.dequantized(), b.dequantized(), dims, precision, preferred_element_type=jnp.float32
+        )
+        return y.astype(out_dtype)
     y = kernels.fast_dot_general(lhs, rhs, dims, precision)
     if y is None:
         y = scaled_dot_general(a, b, dims, precision)
