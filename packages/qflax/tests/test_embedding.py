@@ -283,3 +283,20 @@ def test_frozen_quantized_table_passes_gradients_to_the_trainable_params(linen):
         q["embed"]
     )["embedding"].qarray.qvalue
     assert codes_grad.dtype == jax.dtypes.float0
+
+
+def test_nnx_quantize_params_on_a_template_is_bit_identical_to_in_model_quantization():
+    float_model = NnxTiedLM(nnx.Rngs(0))
+    floats = nnx.to_pure_dict(nnx.state(float_model, nnx.Param))
+    abstract = nnx.eval_shape(
+        lambda: qflax.quantize_model(NnxTiedLM(nnx.Rngs(0)), qflax.PtqProvider(RULES), IDS)
+    )
+    q = qflax.quantize_params(floats, abstract)
+    assert isinstance(q["embed"]["embedding"], qflax.QuantizedParam)
+    in_model = qflax.quantize_model(NnxTiedLM(nnx.Rngs(0)), qflax.PtqProvider(RULES), IDS)
+    expected = nnx.to_pure_dict(nnx.state(in_model, nnx.Param))
+    for a, b in zip(jax.tree.leaves(q), jax.tree.leaves(expected), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    graphdef, state = nnx.split(abstract)
+    nnx.replace_by_pure_dict(state, q)
+    np.testing.assert_array_equal(nnx.merge(graphdef, state)(IDS), in_model(IDS))
