@@ -152,10 +152,14 @@ def qflax_ptq_tables(table: dict[str, Any], **rule: Any) -> Build:
     """``rule`` over the encoder's Dense matmuls plus ``table`` over the three tables."""
 
     def build(params: Any, ids: jax.Array, mask: jax.Array) -> tuple[Apply, Any]:
-        tables = qflax.QuantizationRule(module_path=EMBEDDINGS, op_names=["take"], **table)
-        return qflax_serve(params, ids, mask, [tables, *encoder_rules(**rule)])
+        return qflax_serve(params, ids, mask, [table_rule(table), *encoder_rules(**rule)])
 
     return build
+
+
+def table_rule(table: dict[str, Any]) -> qflax.QuantizationRule:
+    """The rule quantizing the three embedding tables' lookups as ``table`` says."""
+    return qflax.QuantizationRule(module_path=EMBEDDINGS, op_names=["take"], **table)
 
 
 def qflax_recipe(ratio: float) -> Build:
@@ -214,15 +218,25 @@ def qflax_awq() -> Build:
     return build
 
 
-def qflax_smoothquant(alpha: float) -> Build:
-    """qflax SmoothQuant (``qflax.smoothquant.smoothquant``, scales carried) with w8a8 rules."""
+def qflax_smoothquant(alpha: float, table: dict[str, Any] | None = None) -> Build:
+    """qflax SmoothQuant (``qflax.smoothquant.smoothquant``, scales carried) with w8a8 rules.
+
+    With ``table``, the embedding tables are then quantized by that rule too.
+    """
 
     def build(params: Any, ids: jax.Array, mask: jax.Array) -> tuple[Apply, Any]:
         from qflax.smoothquant import smoothquant  # noqa: PLC0415
 
         rules = encoder_rules(**RULES["w8a8"])
         sparams = smoothquant(MiniLM(), params, rules, CALIBRATION, alpha=alpha, progress=False)
-        return qflax_serve(sparams, ids, mask, rules)
+        if table is None:
+            return qflax_serve(sparams, ids, mask, rules)
+        rules = [table_rule(table), *rules]
+        qmodel = qflax.quantize_model(MiniLM(), qflax.PtqProvider(rules))
+        abstract = jax.eval_shape(qmodel.init, jax.random.key(0), ids, mask)["params"]
+        tables = qflax.quantize_params({"embeddings": params["embeddings"]}, abstract)
+        sparams = {**sparams, "embeddings": tables["embeddings"]}
+        return jax.jit(lambda p, i, m: qmodel.apply({"params": p}, i, m)), sparams
 
     return build
 
@@ -330,6 +344,7 @@ CONFIGS += [
     Config("w8a8 SmoothQuant", "qflax", qflax_smoothquant(0.5)),
     Config("mixed ≤0.2×", "qflax", qflax_mixed(0.2)),
     Config("w8a8 + int8 table", "qflax", qflax_ptq_tables(TABLE_INT8, **RULES["w8a8"])),
+    Config("w8a8 SmoothQuant + int8 table", "qflax", qflax_smoothquant(0.5, TABLE_INT8)),
     Config("w8 + int4 table t32", "qflax", qflax_ptq_tables(TABLE_INT4, **RULES["w8"])),
     Config("4-bit recipe ≤0.2× total", "qflax", qflax_recipe(0.2)),
 ]
@@ -419,7 +434,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="64 sentences, 1 rep, no README")
     parser.add_argument("--no-qwix", action="store_true", help="skip the Qwix rows")
     parser.add_argument("--only", nargs="*", help="run only configs whose name contains these")
-    parser.add_argument("--out", type=Path, default=HERE / "results" / "minilm.json")
+    parser.add_argument("--out", type=Path, help="results JSON (default results/SECTION.json)")
+    parser.add_argument(
+        "--section",
+        default="minilm",
+        help="README section to write; another than 'minilm' (e.g. a focused rerun with "
+        "--only) gets its own section and results file, and no chart",
+    )
     parser.add_argument("--readme", action="store_true", help="rewrite the table in README.md")
     args = parser.parse_args(argv)
     if args.quick:
@@ -529,7 +550,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         print("\n--quick: results not written")
         return 0
-    publish("minilm", data, args.out, args.readme, update_readme)
+    out = args.out or HERE / "results" / f"{args.section}.json"
+    if args.section == "minilm":
+        publish("minilm", data, out, args.readme, update_readme)
+    else:
+        publish(args.section, data, out, False, update_readme)
+        if args.readme:
+            update_readme(data, HERE / "README.md", args.section)
+            print(f"updated section {args.section} of {HERE / 'README.md'}")
     return 0
 
 
@@ -553,8 +581,8 @@ def table(data: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def update_readme(data: dict[str, Any], path: Path) -> None:
-    """Replaces the minilm table of benchmarks/README.md."""
+def update_readme(data: dict[str, Any], path: Path, section: str = "minilm") -> None:
+    """Replaces the minilm table (or ``section``) of benchmarks/README.md."""
     m, ref = data["machine"], data["reference_check"]
     body = "\n".join(
         [
@@ -571,13 +599,13 @@ def update_readme(data: dict[str, Any], path: Path) -> None:
             "`nbytes` says one).",
         ]
     )
-    if "recipe_report" in data:
+    if "recipe_report" in data and section == "minilm":
         body += (
             "\n\nWhich type the 4-bit recipe gave each op (`FourBitResult.to_text()`; "
             "alone SQNR: the model's output SQNR with only that op quantized, on the "
             "search's batches):\n\n```text\n" + data["recipe_report"] + "\n```"
         )
-    replace_section(path, "minilm", body)
+    replace_section(path, section, body)
 
 
 if __name__ == "__main__":
