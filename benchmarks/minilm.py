@@ -131,14 +131,18 @@ def encoder_rules(**rule: Any) -> list[qflax.QuantizationRule]:
 
 
 def qflax_serve(params: Any, ids: jax.Array, mask: jax.Array, rules: Any) -> tuple[Apply, Any]:
-    """The plain qflax PTQ model of ``rules`` with ``params`` (quantized here if float)."""
+    """The plain qflax PTQ model of ``rules`` with ``params`` (float ones quantized here)."""
     qmodel = qflax.quantize_model(MiniLM(), qflax.PtqProvider(rules))
     abstract = jax.eval_shape(qmodel.init, jax.random.key(0), ids, mask)["params"]
-    quantized = any(
-        isinstance(x, qflax.QuantizedParam)
-        for x in jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, qflax.QuantizedParam))
+    # Params already quantized (GPTQ, AWQ, ...) are kept; the float rest is quantized
+    # where the rules say so.
+    flat = traverse_util.flatten_dict(params)
+    done = {k: v for k, v in flat.items() if isinstance(v, qflax.QuantizedParam)}
+    rest = {k: v for k, v in flat.items() if k not in done}
+    quantized = traverse_util.flatten_dict(
+        qflax.quantize_params(traverse_util.unflatten_dict(rest), abstract)
     )
-    qparams = params if quantized else qflax.quantize_params(params, abstract)
+    qparams = traverse_util.unflatten_dict({**quantized, **done})
     return jax.jit(lambda p, i, m: qmodel.apply({"params": p}, i, m)), qparams
 
 
@@ -229,14 +233,8 @@ def qflax_smoothquant(alpha: float, table: dict[str, Any] | None = None) -> Buil
 
         rules = encoder_rules(**RULES["w8a8"])
         sparams = smoothquant(MiniLM(), params, rules, CALIBRATION, alpha=alpha, progress=False)
-        if table is None:
-            return qflax_serve(sparams, ids, mask, rules)
-        rules = [table_rule(table), *rules]
-        qmodel = qflax.quantize_model(MiniLM(), qflax.PtqProvider(rules))
-        abstract = jax.eval_shape(qmodel.init, jax.random.key(0), ids, mask)["params"]
-        tables = qflax.quantize_params({"embeddings": params["embeddings"]}, abstract)
-        sparams = {**sparams, "embeddings": tables["embeddings"]}
-        return jax.jit(lambda p, i, m: qmodel.apply({"params": p}, i, m)), sparams
+        tables = [] if table is None else [table_rule(table)]
+        return qflax_serve(sparams, ids, mask, [*tables, *rules])
 
     return build
 
@@ -586,7 +584,7 @@ def update_readme(data: dict[str, Any], path: Path, section: str = "minilm") -> 
     m, ref = data["machine"], data["reference_check"]
     body = "\n".join(
         [
-            measured_on(m, f"qflax {m['qflax']}, Qwix {m['qwix']}")
+            measured_on(m, f"qflax {m['qflax']}" + (f", Qwix {m['qwix']}" if m["qwix"] else ""))
             + f" {m['sentences']} sentences (of {m['sentence_pool']}), batches of"
             f" {m['batch'][0]} x {m['batch'][1]} tokens ({m['truncated']} sentences truncated);"
             f" latency is the median of {m['reps']} calls on one batch after warm-up, in rounds"
@@ -594,11 +592,13 @@ def update_readme(data: dict[str, Any], path: Path, section: str = "minilm") -> 
             f" sentences: max abs diff {ref['max_abs_diff']:.1e}.",
             "",
             table(data),
-            "",
-            "† Qwix's `jnp.int4` / `jnp.uint4` (nf4) codes counted at half a byte each (their "
-            "`nbytes` says one).",
         ]
     )
+    if any(r["int4_counted_packed"] for r in data["rows"]):
+        body += (
+            "\n\n† Qwix's `jnp.int4` / `jnp.uint4` (nf4) codes counted at half a byte each "
+            "(their `nbytes` says one)."
+        )
     if "recipe_report" in data and section == "minilm":
         body += (
             "\n\nWhich type the 4-bit recipe gave each op (`FourBitResult.to_text()`; "

@@ -54,7 +54,6 @@ from typing import Any
 import flax.linen as nn
 from flax import nnx, traverse_util
 
-import qcore
 from qflax.gptq import gptq
 from qflax.interception import DEFAULT_OP_NAMES
 from qflax.mixed_precision import MixedPrecisionResult, mixed_precision
@@ -197,17 +196,12 @@ def four_bit(
     batches = list(calibration_batches)
     if search_batches is not None and not (isinstance(search_batches, int) and search_batches > 0):
         raise ValueError(f"search_batches={search_batches!r} must be a positive int or None")
-    for name in candidates:
-        try:
-            qcore.qtypes.get(name)
-        except ValueError as err:
-            raise ValueError(f"candidates: {err}") from None
     op_names = (*DEFAULT_OP_NAMES, LOOKUP) if tables else DEFAULT_OP_NAMES
     mixed = mixed_precision(
         model,
         params,
         batches[:search_batches] if search_batches else batches,
-        candidates=tuple(candidates),
+        candidates=candidates,
         budget_bytes=budget_bytes,
         budget_ratio=budget_ratio,
         tile_size=tile_size,
