@@ -75,10 +75,11 @@ def max_rel_error(actual: Any, reference: Any) -> float:
 def snapshot(value: Any) -> Any:
     """A deep copy of ``value`` to compare with later (see :func:`assert_unchanged`).
 
-    A ``str``/``os.PathLike`` names a file or directory: the snapshot is every file's
-    bytes by relative path (``None`` if nothing is there). Anything else is a pytree:
-    its leaves are copied as NumPy arrays (other leaves with ``copy.deepcopy``). So a
-    snapshot of a file's directory also sees a temporary file left beside it.
+    A ``str``/``os.PathLike`` names a file or directory: the snapshot holds every file's
+    bytes and every directory's name by relative path (``None`` if nothing is there),
+    so a snapshot of a file's directory also sees a temporary left beside it. Anything
+    else is a pytree: its leaves are copied as NumPy arrays (other leaves with
+    ``copy.deepcopy``).
 
     Example:
         >>> import numpy as np
