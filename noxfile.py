@@ -34,6 +34,9 @@ PACKAGES: dict[str, list[str]] = {
     "qlitert": ["qcore", "qflax"],
     "qtorchlike": ["qcore"],
 }
+# Each package's distribution name on the package index: the import names (qcore, ...)
+# are taken there by unrelated projects, so every distribution carries this prefix.
+DIST_PREFIX = "jaxquant-"
 # Optional extras installed wherever a package is installed editable here (the
 # tests and the type checker cover the code behind them).
 EXTRAS: dict[str, str] = {"qflax": "checkpoint,report"}
@@ -141,7 +144,9 @@ def build(session: nox.Session) -> None:
 
 def _wheel(dist: str, package: str) -> str:
     """The one wheel of ``package`` in ``dist``."""
-    found = [f for f in os.listdir(dist) if f.startswith(f"{package}-") and f.endswith(".whl")]
+    # Wheel file names spell the distribution name with "_" for "-".
+    stem = f"{DIST_PREFIX}{package}".replace("-", "_") + "-"
+    found = [f for f in os.listdir(dist) if f.startswith(stem) and f.endswith(".whl")]
     if len(found) != 1:
         raise RuntimeError(f"expected one wheel of {package} in {dist}, found {found}")
     return os.path.join(dist, found[0])

@@ -17,9 +17,10 @@ with ``qtorchlike`` in place of ``brevitas`` and ``torch``:
    minibatches, printing one line per epoch.
 4. Switches to ``model.eval()`` and reports the test accuracy of the quantized model, plus
    each layer's integer weight codes and activation scales.
-5. With ``--tflite PATH`` (needs qlitert: ``pip install qtorchlike[litert]``), exports the
-   trained model to a full-integer ``.tflite`` with ``qtorchlike.export_tflite`` and reports
-   the test accuracy of the LiteRT interpreter on it. Otherwise nothing is written to disk.
+5. With ``--tflite PATH`` (needs qlitert: ``pip install "jaxquant-qtorchlike[litert]"``),
+   exports the trained model to a full-integer ``.tflite`` with ``qtorchlike.export_tflite``
+   and reports the test accuracy of the LiteRT interpreter on it. Otherwise nothing is
+   written to disk.
 
 Run it from the repository root (needs qcore, qtorchlike and scikit-learn)::
 

@@ -180,7 +180,7 @@ def test_export_rejects_an_example_that_is_not_an_array(calibrated):
 def test_export_without_qlitert_names_the_extra(calibrated, digits, monkeypatch):
     _, (x_test, _) = digits
     monkeypatch.setitem(sys.modules, "qlitert", None)
-    with pytest.raises(ImportError, match=r"pip install qtorchlike\[litert\]"):
+    with pytest.raises(ImportError, match=r"pip install 'jaxquant-qtorchlike\[litert\]'"):
         qtorchlike.export_tflite(calibrated, x_test)
 
 

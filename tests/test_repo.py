@@ -16,6 +16,28 @@ PACKAGE_NAMES = sorted(
     p.name for p in PACKAGES_DIR.iterdir() if p.is_dir() and not p.name.startswith((".", "_"))
 )
 
+# Every package's distribution name: the import names are taken on the package index by
+# unrelated projects (e.g. `qcore`), so a requirement on a bare `qcore` could install theirs.
+DIST_PREFIX = "jaxquant-"
+DISTRIBUTIONS = {f"{DIST_PREFIX}{name}": name for name in PACKAGE_NAMES}
+# The third-party distributions the packages may require (runtime, extras, test groups).
+# A requirement on anything else fails test_requirements_name_only_ours_or_known_third_parties.
+THIRD_PARTY = {
+    "jax",
+    "numpy",
+    "ml-dtypes",
+    "flax",
+    "orbax-checkpoint",
+    "safetensors",
+    "matplotlib",
+    "litert-converter",
+    "ai-edge-litert",
+    "pytest",
+    "hypothesis",
+    "scipy",
+    "scikit-learn",
+}
+
 # Packages qcore must never depend on (DESIGN.md: qcore <- qflax <- qlitert, qcore <- qtorchlike).
 QCORE_FORBIDDEN = {"flax", "tensorflow", "torch", "litert", "qflax", "qlitert", "qtorchlike"}
 
@@ -101,7 +123,7 @@ def test_package_layout(name: str) -> None:
 def test_package_pyproject_names_it_and_has_a_test_group(name: str) -> None:
     with open(PACKAGES_DIR / name / "pyproject.toml", "rb") as f:
         pyproject = tomllib.load(f)
-    assert pyproject["project"]["name"] == name
+    assert pyproject["project"]["name"] == f"{DIST_PREFIX}{name}"
     assert "test" in pyproject.get("dependency-groups", {}), f"{name} has no test group"
 
 
@@ -116,7 +138,7 @@ def test_noxfile_packages_match_the_packages_directory() -> None:
 def test_noxfile_local_deps_match_pyproject(name: str) -> None:
     with open(PACKAGES_DIR / name / "pyproject.toml", "rb") as f:
         deps = {requirement_name(r) for r in tomllib.load(f)["project"].get("dependencies", [])}
-    local = deps & set(PACKAGE_NAMES)
+    local = {DISTRIBUTIONS[d] for d in deps & set(DISTRIBUTIONS)}
     # The noxfile may list transitive local deps too, but must list every direct one.
     assert local <= set(noxfile_packages()[name]), (name, local)
 
@@ -138,10 +160,38 @@ def test_versions_and_inter_package_bounds_are_consistent(name: str) -> None:
         requirements += extra
     for text in requirements:
         req = Requirement(text)
-        if req.name in PACKAGE_NAMES:
+        if req.name in DISTRIBUTIONS:
             # Bounded on both sides, and admitting the sibling as it is in this checkout.
             assert {s.operator for s in req.specifier} >= {">=", "<"}, (name, text)
-            assert pyproject(req.name)["project"]["version"] in req.specifier, (name, text)
+            sibling = pyproject(DISTRIBUTIONS[req.name])["project"]["version"]
+            assert sibling in req.specifier, (name, text)
+
+
+def all_requirements(name: str) -> list[str]:
+    """Every requirement string of a package: dependencies, extras and dependency groups."""
+    project = pyproject(name)
+    found = list(project["project"].get("dependencies", []))
+    for extra in project["project"].get("optional-dependencies", {}).values():
+        found += extra
+    for group in project.get("dependency-groups", {}).values():
+        found += [r for r in group if isinstance(r, str)]
+    return found
+
+
+@pytest.mark.parametrize("name", PACKAGE_NAMES)
+def test_requirements_name_only_ours_or_known_third_parties(name: str) -> None:
+    for text in all_requirements(name):
+        dist = requirement_name(text)
+        assert dist in DISTRIBUTIONS or dist in THIRD_PARTY, (
+            f"packages/{name}/pyproject.toml requires {text!r}: {dist!r} is neither one of "
+            f"ours ({sorted(DISTRIBUTIONS)}) nor a known third party (THIRD_PARTY)"
+        )
+
+
+def test_no_distribution_is_named_like_an_import_name() -> None:
+    # The bare import names belong to others on the package index (qcore 0.2.x exists).
+    assert not set(DISTRIBUTIONS) & set(PACKAGE_NAMES)
+    assert not set(PACKAGE_NAMES) & THIRD_PARTY
 
 
 def test_changelog_has_an_entry_for_every_package_version() -> None:
@@ -157,7 +207,8 @@ def test_qcore_depends_on_no_framework_or_downstream_package() -> None:
     for extra in pyproject["project"].get("optional-dependencies", {}).values():
         requirements += extra
     names = {requirement_name(r) for r in requirements}
-    assert not names & QCORE_FORBIDDEN
+    forbidden = QCORE_FORBIDDEN | {f"{DIST_PREFIX}{n}" for n in QCORE_FORBIDDEN}
+    assert not names & forbidden
     assert not {n for n in names if n.startswith(("ai-edge-litert", "litert", "tensorflow"))}
 
 

@@ -19,8 +19,8 @@ for quantized params (``<path>.scale`` for static activation scales, ``<path>``
 for float ones). Dtypes safetensors cannot name (bfloat16, float8, e8m0...) are
 stored as their raw bits with the dtype in the file's metadata.
 
-Needs the ``checkpoint`` extra: ``pip install qflax[checkpoint]`` (orbax-checkpoint,
-safetensors).
+Needs the ``checkpoint`` extra: ``pip install "jaxquant-qflax[checkpoint]"``
+(orbax-checkpoint, safetensors).
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ def _orbax() -> Any:
         import orbax.checkpoint as ocp  # noqa: PLC0415 - optional dependency
     except ImportError as err:  # pragma: no cover - exercised without the extra
         raise ImportError(
-            "qflax.checkpoint needs orbax-checkpoint: pip install qflax[checkpoint]"
+            "qflax.checkpoint needs orbax-checkpoint: pip install 'jaxquant-qflax[checkpoint]'"
         ) from err
     return ocp
 

@@ -410,7 +410,7 @@ class QuantizationReport:
     def plot(self, path: str | Path) -> Path:
         """Writes a PNG: SQNR (weight and output) and bytes per op.
 
-        Needs matplotlib (``pip install "qflax[report]"``).
+        Needs matplotlib (``pip install "jaxquant-qflax[report]"``).
 
         Returns:
             The written path.
@@ -419,7 +419,7 @@ class QuantizationReport:
             from matplotlib.figure import Figure  # noqa: PLC0415 - optional dependency
         except ImportError as err:
             raise ImportError(
-                "QuantizationReport.plot needs matplotlib: pip install 'qflax[report]' "
+                "QuantizationReport.plot needs matplotlib: pip install 'jaxquant-qflax[report]' "
                 "(or pip install matplotlib)"
             ) from err
         labels = [

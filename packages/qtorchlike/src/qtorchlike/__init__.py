@@ -9,8 +9,8 @@ the bridge to ``jax.jit`` and ``jax.grad``; :mod:`qtorchlike.optim` SGD and Adam
 :func:`calibration_mode`, :func:`bias_correction_mode` and :func:`disable_quant`
 post-training quantization (:mod:`qtorchlike.modes`); :func:`integer_state_dict`
 and :func:`export_tflite` export (:mod:`qtorchlike.export`; LiteRT through the
-optional qlitert, ``pip install qtorchlike[litert]``). Depends on qcore (and
-jax, numpy) only.
+optional qlitert, ``pip install "jaxquant-qtorchlike[litert]"``). Depends on qcore
+(and jax, numpy) only.
 
 Example:
     >>> import jax.numpy as jnp

@@ -5,7 +5,7 @@ implementation needs: weight codes and scales, bias codes, and the scales of the
 activation quantizers, as NumPy arrays.
 
 :func:`export_tflite` converts a model with qlitert (``pip install
-qtorchlike[litert]``): the model's quantized weights and biases become
+"jaxquant-qtorchlike[litert]"``): the model's quantized weights and biases become
 constants, its activation quantizers' scales become the scales of the LiteRT
 tensors they quantize, and the tensors LiteRT quantizes where the model does
 not (the input, the output of a layer without ``output_quant``...) are
@@ -230,7 +230,7 @@ def _import_qlitert() -> Any:
     except ImportError as e:
         raise ImportError(
             "export_tflite needs qlitert (LiteRT export); install it with "
-            "`pip install qtorchlike[litert]`"
+            "`pip install 'jaxquant-qtorchlike[litert]'`"
         ) from e
     return qlitert
 
@@ -401,7 +401,7 @@ def export_tflite(
         The ``.tflite`` flatbuffer.
 
     Raises:
-        ImportError: If qlitert is not installed (``pip install qtorchlike[litert]``).
+        ImportError: If qlitert is not installed (``pip install 'jaxquant-qtorchlike[litert]'``).
         TypeError: If ``model`` is not a :class:`qtorchlike.nn.Module`, or
             ``example_input`` is not a numeric array with at least one dimension.
         FileNotFoundError: If ``path``'s directory does not exist.
