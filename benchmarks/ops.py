@@ -40,6 +40,7 @@ import numpy as np
 import plots
 
 import qcore
+from qcore.files import write_atomic
 
 HERE = Path(__file__).resolve().parent
 DOT = (((1,), (0,)), ((), ()))
@@ -243,7 +244,7 @@ def publish(
 ) -> None:
     """Writes the results JSON; with ``readme``, rewrites the README section and the chart."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(data, indent=1))
+    write_atomic(out, json.dumps(data, indent=1).encode())
     print(f"\nwrote {out}")
     if readme:
         update_readme(data, HERE / "README.md")
@@ -298,7 +299,7 @@ def replace_section(path: Path, name: str, body: str) -> None:
         raise SystemExit(f"{path} has no {begin} ... {end} section to update")
     head, rest = text.split(begin, 1)
     _, tail = rest.split(end, 1)
-    path.write_text(f"{head}{begin}\n{body}\n{end}{tail}")
+    write_atomic(path, f"{head}{begin}\n{body}\n{end}{tail}".encode())
 
 
 def update_readme(data: dict[str, Any], path: Path) -> None:

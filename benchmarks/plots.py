@@ -19,6 +19,8 @@ import matplotlib
 matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402 - after choosing the backend
 
+from qcore.files import write_atomic  # noqa: E402
+
 HERE = Path(__file__).resolve().parent
 PLOTS = HERE / "plots"
 OURS, QWIX, FLOAT = "tab:blue", "tab:orange", "tab:gray"
@@ -144,7 +146,7 @@ def save(name: str, data: dict[str, Any]) -> Path:
     fig.tight_layout()
     PLOTS.mkdir(exist_ok=True)
     path = PLOTS / f"{name}.png"
-    fig.savefig(path, dpi=110)
+    write_atomic(path, lambda f: fig.savefig(f, format="png", dpi=110))
     plt.close(fig)
     return path
 

@@ -44,6 +44,7 @@ import qtorchlike_digits
 import qflax
 import qlitert
 import qtorchlike
+from qcore.files import write_atomic
 
 BATCH = 64
 LEARNING_RATE = 3e-3
@@ -292,7 +293,7 @@ def plot(path: Path, rows: Sequence[dict[str, Any]]) -> None:
     ax.set_ylabel("test accuracy (%)")
     ax.set_title("Digits CNN: accuracy vs size, float32 and quantized")
     ax.grid(True, alpha=0.35)
-    fig.savefig(path, dpi=120)
+    write_atomic(path, lambda f: fig.savefig(f, format="png", dpi=120))
     plt.close(fig)
 
 
@@ -338,7 +339,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "jax": jax.__version__,
         "seconds": round(time.perf_counter() - start, 1),
     }
-    (out / "results.json").write_text(json.dumps({**summary, "rows": rows}, indent=2) + "\n")
+    results = json.dumps({**summary, "rows": rows}, indent=2) + "\n"
+    write_atomic(out / "results.json", results.encode())
     plot(out / "accuracy_vs_size.png", rows)
     print(f"\nwrote results.json, accuracy_vs_size.png and the .tflite files to {out.resolve()}")
     print(f"({summary['seconds']} s)")

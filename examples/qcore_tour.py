@@ -50,6 +50,7 @@ from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
 
 import qcore
+from qcore.files import write_atomic
 
 Params = dict[str, Any]  # float arrays, or QArrays for quantized weights
 
@@ -324,7 +325,7 @@ def _finite_or_none(value: Any) -> Any:
 def write_json(path: Path, rows: Sequence[dict[str, Any]], summary: dict[str, Any]) -> None:
     """Writes the rows and run metadata (non-finite floats become null)."""
     clean = [{k: _finite_or_none(v) for k, v in r.items()} for r in rows]
-    path.write_text(json.dumps({**summary, "rows": clean}, indent=2) + "\n", encoding="utf-8")
+    write_atomic(path, (json.dumps({**summary, "rows": clean}, indent=2) + "\n").encode())
 
 
 def plot(path: Path, rows: Sequence[dict[str, Any]], float_acc: float) -> None:
@@ -374,7 +375,7 @@ def plot(path: Path, rows: Sequence[dict[str, Any]], float_acc: float) -> None:
         f"(float32 test accuracy {float_acc:.1%})"
     )
     ax.grid(True, alpha=0.35)
-    fig.savefig(path, dpi=120)
+    write_atomic(path, lambda f: fig.savefig(f, format="png", dpi=120))
     plt.close(fig)
 
 
