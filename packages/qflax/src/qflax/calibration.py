@@ -60,7 +60,7 @@ from qflax import interception, module_path
 from qflax.context import CallContext, Mode
 from qflax.opcall import OpCall, bind
 from qflax.progress import track
-from qflax.provider import Weight, _check_tiles, _weight_recipe
+from qflax.provider import Weight, _weight_recipe, checked_spec
 from qflax.qparam import QuantizedParam, Recipe
 from qflax.rule import QuantizationRule, RuleMatcher
 
@@ -150,10 +150,11 @@ def collect(
         ``{weight param path: LayerStats}`` in the order the ops were called.
 
     Raises:
-        ValueError: No batches; rules that select no weight; a rule selecting an
-            op that is not a matmul (conv, ragged_dot); a weight with batch axes or
-            more than one contracting axis; a weight that two ops use in
-            different layouts or specs; already-quantized params.
+        ValueError: No batches; a batch that gives a weight's input NaN or inf
+            (naming the batch, the weight and its ops); rules that select no
+            weight; a rule selecting an op that is not a matmul (conv, ragged_dot);
+            a weight with batch axes or more than one contracting axis; a weight
+            that two ops use in different layouts or specs; already-quantized params.
     """
     matcher = RuleMatcher(rules)
     if isinstance(model, nn.Module):
@@ -199,6 +200,7 @@ def collect(
     for batch in track(batches, "calibration batches", progress):
         args = batch if isinstance(batch, tuple) else (batch,)
         acc = run(variables, acc, args)
+        _check_finite(acc, sites, n)
         n += 1
     if n == 0:
         raise ValueError("no calibration data: `batches` is empty (pass at least one batch)")
@@ -217,6 +219,19 @@ def collect(
         )
         for path, s in acc.items()
     }
+
+
+def _check_finite(acc: dict[str, dict[str, jax.Array]], sites: dict[str, Site], batch: int) -> None:
+    """Raises at the first batch that gives some weight's input a NaN or inf."""
+    counts = jax.device_get({path: s["nonfinite"] for path, s in acc.items()})
+    for path, count in counts.items():
+        if count:
+            raise ValueError(
+                f"calibration batch {batch} gives the input of weight {path!r} "
+                f"({', '.join(sites[path].ops)}) {int(count)} non-finite values (NaN or inf); "
+                "its statistics would be NaN. Allowed: finite calibration data (drop or clean "
+                "the batch)"
+            )
 
 
 def _check_float_params(params: Any) -> None:
@@ -276,9 +291,9 @@ def _handler(
         assert source is not None
         weight, act = call.operands[i], call.operands[1 - i]
         axis = _contracting_axis(call, i, f"module {path!r}: {name} weight {source.path!r}")
-        spec = rule.weight_spec(weight.ndim, call.contracting[i])
-        assert spec is not None
-        _check_tiles(spec, weight.shape, source.path)
+        spec = checked_spec(
+            lambda: rule.weight_spec(weight.ndim, call.contracting[i]), weight, source.path
+        )
         recipe = _weight_recipe(Weight(spec, source), weight)
         op = f"{path}: {name}"
         known = sites.get(source.path)
@@ -336,6 +351,7 @@ def _batch_stats(x: jax.Array, hessian: bool) -> dict[str, jax.Array]:
         "count": jnp.asarray(x.shape[0], jnp.int32),
         "abs_sum": jnp.sum(a, axis=0),
         "abs_max": jnp.max(a, axis=0),
+        "nonfinite": jnp.sum(~jnp.isfinite(x), dtype=jnp.int32),
     }
     if hessian:
         s["hessian"] = jnp.einsum("nk,nl->kl", x, x, precision=jax.lax.Precision.HIGHEST)

@@ -27,7 +27,7 @@ from qflax.calibration import LayerStats
 from qflax.context import box_leaves
 from qflax.params import is_leaf, plain
 from qflax.progress import track
-from qflax.qparam import QuantizedParam, to_compute_layout
+from qflax.qparam import QuantizedParam, check_finite_weight, to_compute_layout
 
 Key = tuple[Any, ...]
 
@@ -204,4 +204,5 @@ def weight(raw: Any, layer: LayerStats) -> jax.Array:
             f"param {layer.site.path!r} has shape {tuple(v.shape)}, but its op uses one "
             f"layer of shape {layer.recipe.shape}; stacked weights are not supported"
         )
+    check_finite_weight(v, layer.site.path)
     return to_compute_layout(v, layer.recipe)

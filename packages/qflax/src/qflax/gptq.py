@@ -52,6 +52,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from collections.abc import Iterable, Sequence
 from functools import partial
 from typing import Any
@@ -67,7 +68,7 @@ from qflax.calibration import LayerStats, stats_or_collect
 from qflax.context import box_leaves
 from qflax.params import is_leaf, plain
 from qflax.progress import track
-from qflax.qparam import QuantizedParam, to_compute_layout
+from qflax.qparam import QuantizedParam, check_finite_weight, to_compute_layout
 from qflax.rule import QuantizationRule
 
 
@@ -122,8 +123,10 @@ def gptq(
     """
     if not (isinstance(block_size, int) and block_size > 0):
         raise ValueError(f"block_size={block_size!r} must be a positive int")
-    if not damping >= 0:
-        raise ValueError(f"damping={damping!r} must be >= 0")
+    if isinstance(damping, bool) or not (
+        isinstance(damping, numbers.Real) and 0 <= damping < float("inf")
+    ):
+        raise ValueError(f"damping={damping!r} is not allowed; allowed: a finite number >= 0")
     _check_groups(act_order, static_groups)
     stats = stats_or_collect(
         stats, model, params, rules, calibration_batches, method=method, progress=progress
@@ -151,6 +154,7 @@ def gptq(
                 f"param {path!r} has shape {tuple(np.shape(value))}, but its op uses one layer "
                 f"of shape {recipe.shape}; stacked (scanned/vmapped) weights are not supported"
             )
+        check_finite_weight(value, path)
         w = to_compute_layout(jnp.asarray(value), recipe)
         qa = quantize_weight(
             w,

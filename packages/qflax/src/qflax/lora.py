@@ -71,7 +71,7 @@ from qflax import module_path
 from qflax.context import CallContext, Mode, Source
 from qflax.opcall import OpCall, bind
 from qflax.params import plain
-from qflax.provider import PtqProvider, Weight
+from qflax.provider import PtqProvider, Weight, checked_spec
 from qflax.qparam import QuantizedParam
 from qflax.rule import QuantizationRule
 
@@ -318,8 +318,7 @@ class LoraProvider(PtqProvider):
                 f"in [1, {limit}]"
             )
         if rule.weight_qtype is not None:
-            spec = rule.weight_spec(w.ndim, contracting)
-            assert spec is not None
+            spec = checked_spec(lambda: rule.weight_spec(w.ndim, contracting), w, source.path)
             plans: list[Any] = [None, None]
             plans[wi] = Weight(spec, source)
             operands: list[Any] = [self._scaled_input(call, plans, wi, x)] * 2

@@ -62,6 +62,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, cast
 
@@ -215,10 +216,14 @@ def mixed_precision(
             f"give exactly one of budget_bytes={budget_bytes!r} and budget_ratio="
             f"{budget_ratio!r} (bytes of all params, or a fraction of their float bytes)"
         )
-    if budget_ratio is not None and not budget_ratio > 0:
-        raise ValueError(f"budget_ratio={budget_ratio!r} must be > 0")
-    if budget_bytes is not None and not budget_bytes > 0:
-        raise ValueError(f"budget_bytes={budget_bytes!r} must be > 0")
+    for name, value in (("budget_ratio", budget_ratio), ("budget_bytes", budget_bytes)):
+        if value is not None and not (
+            isinstance(value, numbers.Real)
+            and not isinstance(value, bool)
+            and math.isfinite(value)
+            and value > 0
+        ):
+            raise ValueError(f"{name}={value!r} is not allowed; allowed: a finite number > 0")
     runner = Runner(model, params, calibration_batches, jit=jit)
     float_total = runner.float_bytes
     budget = int(budget_bytes) if budget_bytes is not None else int(budget_ratio * float_total)  # type: ignore[operator]

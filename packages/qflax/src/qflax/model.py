@@ -34,7 +34,7 @@ from jax.sharding import PartitionSpec as P
 from qflax import interception, module_path, stats
 from qflax.context import CallContext, Mode, leaf_axes
 from qflax.provider import Provider, PtqProvider, QtProvider
-from qflax.qparam import ActScale, QuantizedParam, quantize_param
+from qflax.qparam import ActScale, QuantizedParam, check_finite_weight, quantize_param
 
 
 def quantize_model(
@@ -163,12 +163,21 @@ class QuantizedLinen:
 
 
 @functools.cache
-def _quantized_class(cls: type, provider: Provider, methods: tuple[str, ...]) -> type:
+def _quantized_class(cls: type, methods: tuple[str, ...]) -> type:
+    """The subclass of ``cls`` whose ``methods`` run through the model's provider.
+
+    NNX registers every Module subclass for good, so there is one class per
+    ``(cls, methods)``, not per provider: the provider lives on the model
+    (``_qflax_provider``) and is freed with it (a mixed-precision search makes one
+    provider per candidate).
+    """
+
     def wrap(name: str) -> Callable[..., Any]:
         original = getattr(cls, name)
 
         @functools.wraps(original)
         def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+            provider = self._qflax_provider
             update = bool(getattr(self, "qflax_update_stats", False))
             ctx = CallContext("nnx", Mode.APPLY, update_stats=update)
             with _calling(provider, ctx):
@@ -179,6 +188,7 @@ def _quantized_class(cls: type, provider: Provider, methods: tuple[str, ...]) ->
         return method
 
     attrs: dict[str, Any] = {name: wrap(name) for name in methods}
+    attrs["_qflax_quantized"] = True
     attrs["__qualname__"] = f"Quantized{cls.__qualname__}"
     attrs["__module__"] = cls.__module__
     return type(f"Quantized{cls.__name__}", (cls,), attrs)
@@ -197,7 +207,7 @@ def _quantize_nnx(
             f"inputs of {methods[0]!r} to find the ops to quantize"
         )
     given = type(model)
-    if getattr(given, "_qflax_provider", None) is not None:
+    if getattr(given, "_qflax_quantized", False):
         # Re-quantizing (e.g. a calibrated QtProvider model with a PtqProvider):
         # start from the original class, keep the variables.
         model.__class__ = given.__bases__[0]
@@ -208,9 +218,8 @@ def _quantize_nnx(
     except BaseException:
         model.__class__ = given
         raise
-    cls = _quantized_class(type(model), provider, methods)
-    cls._qflax_provider = provider  # type: ignore[attr-defined]
-    model.__class__ = cls
+    model._qflax_provider = provider  # type: ignore[attr-defined]
+    model.__class__ = _quantized_class(type(model), methods)
     if isinstance(provider, QtProvider):
         model.qflax_update_stats = True  # type: ignore[attr-defined]
     return model
@@ -241,7 +250,10 @@ def _convert(model: nnx.Module, provider: Provider, ctx: CallContext) -> None:
     lead: dict[str, tuple[int, ...]] = {}  # module path -> stacking axes (nnx.vmap'd layers)
     for path, recipe in ctx.recipes.items():
         module_name, _, attr = path.rpartition("/")
-        shape = getattr(module_path.find_nnx(model, module_name), attr).get_raw_value().shape
+        value = getattr(module_path.find_nnx(model, module_name), attr).get_raw_value()
+        if isinstance(provider, PtqProvider):
+            check_finite_weight(value, path)
+        shape = value.shape
         lead[module_name] = tuple(shape[: len(shape) - len(recipe.shape)])
     new_vars: list[tuple[Any, str, nnx.Variable]] = []
     for path, variables in ctx.sites.items():

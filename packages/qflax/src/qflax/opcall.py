@@ -185,12 +185,13 @@ def _conv(a: dict) -> OpCall | None:
     if not (_is_array(lhs) and _is_array(rhs)):
         return None
     dn = lax.conv_dimension_numbers(lhs.shape, rhs.shape, a["dimension_numbers"])
-    conv = {
-        k: a[k]
-        for k in ("lhs_dilation", "rhs_dilation", "feature_group_count", "batch_group_count")
-    }
+    conv = {k: _ints(a[k]) for k in ("lhs_dilation", "rhs_dilation")}
+    conv.update({k: a[k] for k in ("feature_group_count", "batch_group_count")})
     conv.update(_pet(a), dimension_numbers=a["dimension_numbers"])
-    strides, padding = a["window_strides"], a["padding"]
+    # lax takes NumPy integers (nn.ConvTranspose passes them); qcore's static args are ints.
+    strides, padding = _ints(a["window_strides"]), a["padding"]
+    if not isinstance(padding, str):
+        padding = tuple((int(lo), int(hi)) for lo, hi in padding)
     out_feature = dn.rhs_spec[0]
 
     def train(x, w, config, key):
@@ -207,6 +208,11 @@ def _conv(a: dict) -> OpCall | None:
         train,
         lambda x, w: lax.conv_general_dilated(x, w, strides, padding, **conv),
     )
+
+
+def _ints(x: Any) -> Any:
+    """A sequence of (NumPy) integers as a tuple of ints; None stays None."""
+    return None if x is None else tuple(int(i) for i in x)
 
 
 def _ragged_dot(a: dict) -> OpCall | None:

@@ -10,11 +10,14 @@ scales from ``quant_stats``.
 
 ``params`` may hold only part of the model (e.g. one layer at a time, to load a
 large checkpoint piece by piece): every entry must exist in the abstract tree,
-unless ``allow_extra_params`` lets unknown entries through unchanged.
+unless ``allow_extra_params`` lets unknown entries through unchanged, and each
+module it holds must have all of its params. Weights to quantize must be float and
+finite: an integer dtype or a NaN/inf value raises, naming the param.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import flax.linen as nn
@@ -22,7 +25,7 @@ import numpy as np
 from flax import nnx, traverse_util
 
 from qflax import stats
-from qflax.qparam import ActScale, QuantizedParam, quantize_param
+from qflax.qparam import ActScale, QuantizedParam, check_finite_weight, quantize_param
 
 Path = tuple[str, ...]
 
@@ -52,9 +55,14 @@ def quantize_params(
         QuantizedParams and the static scales of modules in ``params`` are added.
 
     Raises:
-        ValueError: For an entry missing from the abstract tree, a shape mismatch
-            (naming the path and both shapes), quantized input, or a missing or
-            empty statistic.
+        TypeError: For trees that are not nested dicts (or NNX modules/states), a
+            leaf that is not an array, or a non-float value where the model
+            quantizes a float param (naming the path and the dtype).
+        ValueError: For an entry missing from the abstract tree, an entry of the
+            abstract tree missing from a module that ``params`` holds, a shape
+            mismatch (naming the path and both shapes), quantized input, a weight
+            with NaN or inf values (naming the path and how many), or a missing,
+            empty or non-finite statistic.
 
     Example:
         >>> import flax.linen as nn, jax, jax.numpy as jnp
@@ -68,13 +76,17 @@ def quantize_params(
         >>> q["kernel"].qarray.qvalue.shape  # int4 codes packed two per byte
         (4, 3)
     """
-    flat = _flatten(params)
-    abstract = _flatten(abstract_quantized_params)
+    flat = _flatten(params, "params")
+    abstract = _flatten(abstract_quantized_params, "abstract_quantized_params")
     out: dict[Path, Any] = {}
     for path, value in flat.items():
         where = "/".join(path)
         if isinstance(value, QuantizedParam | ActScale):
             raise ValueError(f"params[{where!r}] is already quantized; pass float params")
+        if not (hasattr(value, "shape") and hasattr(value, "dtype")):
+            raise TypeError(
+                f"params[{where!r}] is a {type(value).__name__}; allowed: arrays (jax or numpy)"
+            )
         if path not in abstract:
             if allow_extra_params:
                 out[path] = value
@@ -91,11 +103,19 @@ def quantize_params(
                 f"model expects {want}"
             )
         if isinstance(target, QuantizedParam):
+            if not np.issubdtype(value.dtype, np.inexact):
+                raise TypeError(
+                    f"params[{where!r}] has dtype {np.dtype(value.dtype)}, but the quantized "
+                    f"model quantizes it as a {np.dtype(target.dtype)} param; allowed: "
+                    "floating-point values"
+                )
+            check_finite_weight(value, where)
             out[path] = quantize_param(value, target.recipe)
         else:
             out[path] = value
+    _check_complete(flat, abstract)
     modules = {path[:-1] for path in flat}
-    stat_tree = None if quant_stats is None else _flatten(quant_stats)
+    stat_tree = None if quant_stats is None else _flatten(quant_stats, "quant_stats")
     for path, target in abstract.items():
         if not isinstance(target, ActScale) or path[:-1] not in modules:
             continue
@@ -117,17 +137,38 @@ def is_leaf(x: Any) -> bool:
     return isinstance(x, QuantizedParam | ActScale | nn.meta.AxisMetadata | nnx.Variable)
 
 
-def _flatten(tree: Any) -> dict[Path, Any]:
-    """``{path: unboxed leaf}`` of a nested dict, an NNX module or an NNX state."""
+def _flatten(tree: Any, name: str) -> dict[Path, Any]:
+    """``{path: unboxed leaf}`` of a nested dict, an NNX module or an NNX state (``name``)."""
     if isinstance(tree, nnx.Module):
         tree = nnx.state(tree)
     if isinstance(tree, nnx.State):
         tree = nnx.to_pure_dict(tree)
+    if not isinstance(tree, Mapping):
+        raise TypeError(
+            f"{name} is a {type(tree).__name__}; allowed: a nested dict of arrays (e.g. Linen "
+            "variables['params'] or nnx.to_pure_dict(nnx.state(model))), an NNX module or state"
+        )
     flat = traverse_util.flatten_dict(plain(tree), is_leaf=lambda _, x: is_leaf(x))
     result = {}
     for path, leaf in flat.items():
         result[tuple(str(p) for p in path)] = nn.meta.unbox(leaf)
     return result
+
+
+def _check_complete(flat: dict[Path, Any], abstract: dict[Path, Any]) -> None:
+    """Raises if a module that ``flat`` holds lacks a param the abstract module has.
+
+    Params may hold only some modules (a checkpoint loaded piece by piece), but a
+    module they hold must be whole (static scales are made here, not given).
+    """
+    modules = {path[:-1] for path in flat}
+    for path, target in abstract.items():
+        if path[:-1] in modules and path not in flat and not isinstance(target, ActScale):
+            module = "/".join(path[:-1]) or "the top-level module"
+            raise ValueError(
+                f"params lacks {'/'.join(path)!r}, which the quantized model has in {module}, "
+                f"whose other params are given; allowed: every param of each module given"
+            )
 
 
 def plain(tree: Any) -> Any:

@@ -6,6 +6,14 @@ rule's ``weight_qtype`` (one scale per output channel, optional tiles along the
 contracted axes); any other operand is an *activation* and gets ``act_qtype``,
 with a scale computed per call (dynamic range) or a stored one
 (``act_static_scale``, per tensor). An operand with no qtype stays float.
+Integer and bool params are never quantized: the catch-all rule
+(``module_path=".*"``) leaves them alone, any other rule that selects one raises.
+
+Weights quantized where their values are concrete (Linen ``init``, ``apply`` with
+``mutable=["params"]`` outside ``jax.jit``) and eager static-range calibration
+batches must be finite: a NaN or inf raises, naming the param or site. Under
+tracing, qcore's policy applies (non-finite values give NaN scales, so NaN
+outputs, never plausible numbers).
 
 * :class:`PtqProvider` computes with stored QArrays: weights quantized ahead of
   time (``init``, :func:`qflax.quantize_params`, or NNX ``quantize_model``),
@@ -24,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import numbers
 from collections.abc import Callable, Sequence
 from typing import Any, cast
 
@@ -40,6 +49,7 @@ from qflax.qparam import (
     QuantizedParam,
     Recipe,
     ScaleRecipe,
+    check_finite_weight,
     divide_along,
     quantize_param,
 )
@@ -74,8 +84,8 @@ class Provider:
     """Shared machinery: rule matching, operand classification, unused-rule report."""
 
     def __init__(self, rules: Sequence[QuantizationRule]) -> None:
-        self.rules = tuple(rules)
-        self._matcher = RuleMatcher(self.rules)
+        self._matcher = RuleMatcher(rules)
+        self.rules = tuple(self._matcher.rules)
         self._warned = False
 
     def unused_rules(self) -> list[QuantizationRule]:
@@ -142,7 +152,7 @@ class Provider:
         """A lookup in a parameter (``jnp.take``, ``table[ids]``) by module ``path``."""
         a = bind_take(original, args, kwargs)
         source = None if a is None else ctx.source(a["a"])
-        if a is None or rule.weight_qtype is None or source is None:
+        if a is None or rule.weight_qtype is None or source is None or _skips(rule, source):
             return original(*args, **kwargs)
         table = a["a"]
         if rule.rotation is not None:
@@ -150,9 +160,7 @@ class Provider:
                 f"table {source.path!r}: rotation={rule.rotation!r} does not apply to a "
                 "lookup (jnp.take); give the lookup a rule without rotation"
             )
-        spec = rule.lookup_spec(table.ndim, a["axis"])
-        assert spec is not None
-        _check_tiles(spec, table.shape, source.path)
+        spec = checked_spec(lambda: rule.lookup_spec(table.ndim, a["axis"]), table, source.path)
         return self.lookup(ctx, Weight(spec, source), table, a, path)
 
     def lookup(
@@ -190,11 +198,11 @@ class Provider:
             )
         source = ctx.source(x)
         if source is not None:
-            if rule.weight_qtype is None:
+            if rule.weight_qtype is None or _skips(rule, source):
                 return None
-            spec = rule.weight_spec(x.ndim, call.contracting[i])
-            assert spec is not None
-            _check_tiles(spec, x.shape, source.path)
+            spec = checked_spec(
+                lambda: rule.weight_spec(x.ndim, call.contracting[i]), x, source.path
+            )
             if rule.rotation is not None:
                 return Weight(spec, source, Hadamard(rule.rotation_seed, call.contracting[i][0]))
             return Weight(spec, source)
@@ -203,7 +211,14 @@ class Provider:
         qtype = qcore.qtypes.get(rule.act_qtype).name
         if rule.act_static_scale:
             return Activation(None, f"{site}_{SIDES[i]}", qtype, rule.act_calibration_method)
-        spec = rule.act_spec(x.ndim, call.contracting[i])
+        try:
+            spec = rule.act_spec(x.ndim, call.contracting[i])
+        except ValueError as err:
+            where = ctx.calling_module()
+            raise ValueError(
+                f"rule module_path={rule.module_path!r} at module {where[1] if where else '?'!r}, "
+                f"op {call.name} (operand {SIDES[i]} of shape {tuple(x.shape)}): {err}"
+            ) from None
         return Activation(spec, None, qtype, rule.act_calibration_method)
 
     def compute(
@@ -218,11 +233,40 @@ class Provider:
         raise NotImplementedError
 
 
-def _check_tiles(spec: qcore.HowToQuantize, shape: tuple[int, ...], path: str) -> None:
+def checked_spec(
+    make: Callable[[], qcore.HowToQuantize | None], weight: jax.Array, path: str
+) -> qcore.HowToQuantize:
+    """``make()``, a rule's spec for ``weight`` (param ``path``), checked against its shape.
+
+    Raises:
+        ValueError: The rule's error (bad tile axes, tiles that do not divide the
+            axis) prefixed with the param's path and shape.
+    """
     try:
-        spec.scale_shape(shape)
+        spec = make()
+        assert spec is not None
+        spec.scale_shape(weight.shape)
     except ValueError as err:
-        raise ValueError(f"weight {path!r} of shape {tuple(shape)}: {err}") from None
+        raise ValueError(f"weight {path!r} of shape {tuple(weight.shape)}: {err}") from None
+    return spec
+
+
+def _skips(rule: QuantizationRule, source: Source) -> bool:
+    """Whether ``rule`` leaves a non-float param alone (the catch-all ``".*"`` rule does).
+
+    Raises:
+        ValueError: For any other rule that selects an integer or bool param.
+    """
+    dtype = jnp.dtype(source.value.dtype)
+    if jnp.issubdtype(dtype, jnp.inexact):
+        return False
+    if rule.module_path == ".*":
+        return True
+    raise ValueError(
+        f"param {source.path!r} has dtype {dtype}, but the rule module_path="
+        f"{rule.module_path!r} quantizes it to {rule.weight_qtype}; allowed: floating-point "
+        "params (the catch-all module_path='.*' rule skips other dtypes)"
+    )
 
 
 def bind_take(original: Callable[..., Any], args: tuple, kwargs: dict) -> dict | None:
@@ -497,6 +541,8 @@ class PtqProvider(Provider):
         written = seen[1] if seen is not None and seen[0] is source.value else None
         if written is not None:
             return written.qarray.transpose(*_shared_view(written.recipe, recipe, source.path))
+        if ctx.mode is not Mode.DISCOVER:  # NNX conversion checks them itself
+            check_finite_weight(source.value, source.path)  # raises only for concrete values
         qp = quantize_param(source.value, recipe)
         if ctx.mode is Mode.DISCOVER:
             known = ctx.recipes.setdefault(source.path, recipe)
@@ -525,6 +571,7 @@ class PtqProvider(Provider):
             stats.check_seen(stat, f"{sites.path}/{plan.site}")
             scale = stats.scale(stat, plan.qtype)
         else:  # init: calibrate on the batch at hand
+            stats.check_batch(x, f"{sites.path}/{plan.site}")
             scale = _batch_scale(x, plan)
         sites.put("params", name, ActScale(scale, ScaleRecipe(plan.qtype, plan.site)))
         return scale
@@ -561,8 +608,10 @@ class QtProvider(Provider):
         rng_collection: str = "quant",
     ) -> None:
         super().__init__(rules)
-        if not 0.0 <= momentum < 1.0:
-            raise ValueError(f"momentum={momentum!r} must be in [0, 1)")
+        if isinstance(momentum, bool) or not (
+            isinstance(momentum, numbers.Real) and 0.0 <= momentum < 1.0
+        ):
+            raise ValueError(f"momentum={momentum!r} is not allowed; allowed: a number in [0, 1)")
         self.dlhs, self.drhs, self.clip_gradient = dlhs, drhs, clip_gradient
         self.momentum, self.rng_collection = momentum, rng_collection
 
@@ -634,6 +683,7 @@ class QtProvider(Provider):
                 "the quant_stats collection that init created along with the params"
             )
         if mutable:
+            stats.check_batch(x, f"{sites.path}/{plan.site}")
             stat = stats.update(stat or stats.empty(), x, plan.calibration, momentum=self.momentum)
             sites.put("quant_stats", plan.site, stat)
         assert stat is not None

@@ -42,6 +42,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.core import Tracer
 
 import qcore
 from qflax.rotation import Hadamard, rotate
@@ -210,6 +211,41 @@ def _quantize_one(value: jax.Array, recipe: Recipe) -> qcore.QArray:
     if recipe.rotation is not None:
         x = rotate(x, recipe.rotation.axis, recipe.rotation.seed)
     return qcore.quantize(x, recipe.spec)
+
+
+def nonfinite_count(x: Any) -> int | None:
+    """How many values of a concrete array are NaN or +-inf; None under tracing.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> nonfinite_count(jnp.array([1.0, jnp.nan, jnp.inf])), nonfinite_count(jnp.ones(2))
+        (2, 0)
+    """
+    if isinstance(x, Tracer):
+        return None
+    with jax.ensure_compile_time_eval():  # a concrete value inside a trace stays concrete
+        x = jnp.asarray(x)
+        if not jnp.issubdtype(x.dtype, jnp.inexact):
+            return 0
+        return int(jnp.sum(~jnp.isfinite(x)))
+
+
+def check_finite_weight(value: Any, path: str) -> None:
+    """Raises if a concrete weight about to be quantized holds NaN or +-inf.
+
+    Quantizing would turn them into NaN blocks (or, worse, plausible numbers)
+    without telling anyone; under tracing nothing can be raised and qcore's NaN
+    policy applies.
+
+    Raises:
+        ValueError: Naming the param and how many values are bad.
+    """
+    bad = nonfinite_count(value)
+    if bad:
+        raise ValueError(
+            f"param {path!r} has {bad} non-finite values (NaN or inf); quantizing would hide "
+            "them: fix or mask the weights first"
+        )
 
 
 def quantize_param(value: jax.Array, recipe: Recipe) -> QuantizedParam:

@@ -38,6 +38,7 @@ import re
 import threading
 import warnings
 from collections.abc import Callable, Mapping, Sequence
+from re import _parser as _sre_parser  # pyright: ignore[reportAttributeAccessIssue]
 from typing import Any, cast
 
 import qcore
@@ -54,10 +55,14 @@ class QuantizationRule:
 
     Attributes:
         module_path: Regex fullmatched against the module's ``/``-joined path
-            (``".*"`` matches everything), or a callable ``path -> bool``.
-        op_names: Ops the rule applies to, from :data:`OP_NAMES` (default: every
-            contraction and convolution). ``"take"`` (``jnp.take``, e.g. the lookup
-            of ``nn.Embed`` / ``nnx.Embed``) must be named to quantize a table: the
+            (``".*"`` matches everything), or a callable ``path -> bool``. Regexes
+            that can backtrack catastrophically are refused (a repeat or an
+            alternation inside a repeated group, a backreference, more than four
+            repeats), since rules are also read from files.
+        op_names: Ops the rule applies to, a non-empty selection of
+            :data:`OP_NAMES` (default: every contraction and convolution).
+            ``"take"`` (``jnp.take``, e.g. the lookup of ``nn.Embed`` /
+            ``nnx.Embed``) must be named to quantize a table: the
             table gets one scale per row (plus ``tile_size`` tiles along the row),
             and a tied output projection (``attend``) reuses it if its rule gives
             the same type and tiles.
@@ -65,7 +70,9 @@ class QuantizationRule:
         act_qtype: qtype of the activation operand, or None (weight-only).
         tile_size: Sub-channel tiles along the weight's contracting axes: an int
             (tile length), a float in (0, 1) (fraction = 1 / number of tiles), or
-            ``{axis: size}`` for explicit axes; None for per-channel.
+            ``{axis: size}`` for explicit contracting axes (checked against each
+            weight: an axis out of range or not contracted raises); None for
+            per-channel.
         act_static_scale: Use stored (calibrated) activation scales instead of
             computing them per call.
         weight_calibration_method: Calibration of weight scales (qcore string).
@@ -74,7 +81,8 @@ class QuantizationRule:
             share one. None (the default): every axis the op does not contract,
             i.e. one scale per token of a ``(batch, seq, features)`` input, per
             row of a matrix, per example of a convolution's input. ``(0,)``: one
-            scale per example (per sequence), ``()``: one per tensor.
+            scale per example (per sequence), ``()``: one per tensor. Axes out of
+            range for an op's activation raise when the op is met.
         rotation: ``"hadamard"`` rotates the contracting axis of both operands by
             a random-sign block Hadamard matrix before quantizing them (see
             :mod:`qflax.rotation`; ops must contract exactly one axis), or None.
@@ -96,21 +104,17 @@ class QuantizationRule:
     def __post_init__(self) -> None:
         set_ = object.__setattr__
         if isinstance(self.module_path, str):
-            try:
-                re.compile(self.module_path)
-            except re.error as err:
-                raise ValueError(
-                    f"module_path={self.module_path!r} is not a valid regex: {err}"
-                ) from None
+            _check_pattern(self.module_path)
         elif not callable(self.module_path):
             raise ValueError(
                 f"module_path={self.module_path!r} must be a regex string or a callable"
             )
         names = (self.op_names,) if isinstance(self.op_names, str) else tuple(self.op_names)
-        unknown = sorted(set(names) - set(OP_NAMES))
-        if unknown:
+        unknown = sorted(set(names) - set(OP_NAMES), key=str)
+        if unknown or not names:
+            what = f"{unknown} are not ops qflax intercepts" if unknown else "names no op"
             raise ValueError(
-                f"op_names={names}: {unknown} are not ops qflax intercepts; allowed: {OP_NAMES}"
+                f"op_names={names}: {what}; allowed: a non-empty sequence of {OP_NAMES}"
             )
         set_(self, "op_names", names)
         for field in ("weight_qtype", "act_qtype"):
@@ -203,9 +207,13 @@ class QuantizationRule:
             return None
         contracting = {a % ndim for a in contracting_axes}
         axes = range(ndim) if self.act_batch_axes is None else self.act_batch_axes
-        batch = tuple(
-            sorted({a % ndim for a in axes if -ndim <= a < ndim and a % ndim not in contracting})
-        )
+        bad = [a for a in axes if not -ndim <= a < ndim]
+        if bad:
+            raise ValueError(
+                f"act_batch_axes={self.act_batch_axes} is out of range for an activation of "
+                f"rank {ndim} (axes {bad}); allowed: axes in {-ndim}..{ndim - 1}"
+            )
+        batch = tuple(sorted({a % ndim for a in axes if a % ndim not in contracting}))
         return HowToQuantize(
             qtype=self.act_qtype,
             channelwise_axes=batch,
@@ -213,13 +221,81 @@ class QuantizationRule:
         )
 
     def _tiles(self, ndim: int, contracting: tuple[int, ...]) -> dict[int, int | float]:
+        """Tiles by axis; ``contracting``: the axes that may be tiled (already non-negative)."""
         tile = self.tile_size
         if tile is None:
             return {}
         if isinstance(tile, int | float):
             return {a: tile for a in contracting}
         pairs = cast(tuple[tuple[int, int | float], ...], tile)  # normalised in __post_init__
-        return {a % ndim: t for a, t in pairs}
+        allowed = f"allowed: axes {contracting} (or {tuple(a - ndim for a in contracting)})"
+        tiles: dict[int, int | float] = {}
+        for a, t in pairs:
+            if not -ndim <= a < ndim or a % ndim not in contracting:
+                where = "out of range" if not -ndim <= a < ndim else "not a tileable axis"
+                raise ValueError(
+                    f"tile_size={dict(pairs)}: axis {a} is {where} for a weight of rank "
+                    f"{ndim}; {allowed}"
+                )
+            if a % ndim in tiles:
+                raise ValueError(
+                    f"tile_size={dict(pairs)} names axis {a % ndim} twice ({a % ndim} and "
+                    f"{a % ndim - ndim}); {allowed}"
+                )
+            tiles[a % ndim] = t
+        return tiles
+
+
+# Regex nodes that repeat their body (sre's parse tree), and the bound of "unbounded".
+_REPEATS = ("MAX_REPEAT", "MIN_REPEAT", "POSSESSIVE_REPEAT")
+_MAX_REPEATS = 4
+
+
+def _check_pattern(pattern: str) -> None:
+    """Rejects regexes that do not compile or whose matching can backtrack catastrophically.
+
+    Rules come from files (checkpoints), so a pattern must not be able to hang the
+    matcher: a repeated group may not contain another repeat or an alternation (the
+    exponential cases like ``(a+)+$`` and ``(a|a)*$``), backreferences are refused, and
+    at most ``_MAX_REPEATS`` repeats bound the polynomial cost of ``.*.*.*...``.
+    """
+    try:
+        tree = _sre_parser.parse(pattern)
+    except re.error as err:
+        raise ValueError(f"module_path={pattern!r} is not a valid regex: {err}") from None
+    repeats = 0
+    problem = None
+    stack: list[tuple[Any, bool]] = [(tree, False)]
+    while stack and problem is None:
+        items, repeated = stack.pop()
+        for op, arg in items:
+            name = str(op)
+            if name in _REPEATS:
+                lo, hi, body = arg
+                if hi > 1:
+                    repeats += 1
+                    if repeated:
+                        problem = "a repeat inside a repeated group (e.g. (a+)+)"
+                stack.append((body, repeated or hi > 1))
+            elif name == "BRANCH":
+                if repeated:
+                    problem = "an alternation inside a repeated group (e.g. (a|ab)*)"
+                stack.extend((b, repeated) for b in arg[1])
+            elif name in ("GROUPREF", "GROUPREF_EXISTS"):
+                problem = "a backreference"
+            elif name in ("SUBPATTERN", "ASSERT", "ASSERT_NOT"):
+                stack.append((arg[-1], repeated))
+            elif name == "ATOMIC_GROUP":
+                stack.append((arg, repeated))
+    if problem is None and repeats > _MAX_REPEATS:
+        problem = f"{repeats} repeats"
+    if problem is not None:
+        raise ValueError(
+            f"module_path={pattern!r} has {problem}, which can make matching very slow "
+            f"(catastrophic backtracking); allowed: regexes without nested repeats, alternations "
+            f"inside repeats or backreferences, with at most {_MAX_REPEATS} repeats "
+            "(e.g. r'layers/\\d+/.*'), or a callable"
+        )
 
 
 def _packable(qtype: Any) -> bool:
@@ -249,6 +325,11 @@ class RuleMatcher:
     """First-match-wins rule lookup that records which rules were used (thread-safe)."""
 
     def __init__(self, rules: Sequence[QuantizationRule]) -> None:
+        if isinstance(rules, QuantizationRule | str | Mapping) or not hasattr(rules, "__iter__"):
+            raise TypeError(
+                f"rules={rules!r} is not allowed; allowed: a sequence of qflax.QuantizationRule "
+                "(wrap a single rule in a list)"
+            )
         rules = list(rules)
         for i, r in enumerate(rules):
             if not isinstance(r, QuantizationRule):

@@ -31,6 +31,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 import qcore
+from qflax.qparam import nonfinite_count
 
 Stat = dict[str, jax.Array]
 
@@ -80,7 +81,7 @@ def scale(stat: Stat | Any, qtype: str) -> jax.Array:
 
 
 def check_seen(stat: Stat, path: str) -> None:
-    """Raises if a concrete statistic has count 0 (its scale would be meaningless).
+    """Raises if a concrete statistic has count 0 or a non-finite range.
 
     Raises:
         ValueError: Naming the statistic's path.
@@ -93,4 +94,26 @@ def check_seen(stat: Stat, path: str) -> None:
         raise ValueError(
             f"quant_stats {path!r} has count 0: no calibration batch reached it. Run the "
             "QtProvider model on calibration data with quant_stats mutable first"
+        )
+    bad = nonfinite_count(jnp.stack([stat["lo"], stat["hi"]]))
+    if bad:
+        raise ValueError(
+            f"quant_stats {path!r} has a non-finite range (lo={stat['lo']}, hi={stat['hi']}): "
+            "a calibration batch held NaN or inf (under jax.jit nothing could stop it); "
+            "allowed: statistics of finite calibration data, so calibrate again on clean batches"
+        )
+
+
+def check_batch(x: Any, site: str) -> None:
+    """Raises if a concrete calibration batch reaching static site ``site`` is not finite.
+
+    Raises:
+        ValueError: Naming the site and how many values are NaN or inf.
+    """
+    bad = nonfinite_count(x)
+    if bad:
+        raise ValueError(
+            f"calibration batch at static activation site {site!r} has {bad} non-finite "
+            "values (NaN or inf) of its input; the range would be NaN. Allowed: finite "
+            "calibration data (drop or clean the batch)"
         )
