@@ -59,6 +59,7 @@ import numpy as np
 from flax import nnx, traverse_util
 
 import qcore
+from qflax import _files
 from qflax.model import quantize_model
 from qflax.params import plain
 from qflax.progress import track
@@ -407,14 +408,27 @@ class QuantizationReport:
             indent=1,
         )
 
-    def plot(self, path: str | Path) -> Path:
+    def plot(self, path: str | Path, *, overwrite: bool = False) -> Path:
         """Writes a PNG: SQNR (weight and output) and bytes per op.
 
-        Needs matplotlib (``pip install "jaxquant-qflax[report]"``).
+        Needs matplotlib (``pip install "jaxquant-qflax[report]"``). The image is
+        written next to ``path`` and renamed into place, so a failure leaves what
+        was there.
+
+        Args:
+            path: The PNG file to write (missing parent directories are created).
+            overwrite: Whether an existing PNG file at ``path`` may be replaced.
 
         Returns:
             The written path.
+
+        Raises:
+            FileExistsError: If ``path`` exists and is not a PNG file, or is one and
+                ``overwrite`` is False; it is left untouched.
         """
+        out = Path(path)
+        _files.check_target(out.absolute(), "path", overwrite=overwrite, what="PNG file",
+                            problem=_not_a_png)  # fmt: skip
         try:
             from matplotlib.figure import Figure  # noqa: PLC0415 - optional dependency
         except ImportError as err:
@@ -451,9 +465,19 @@ class QuantizationReport:
             f"output SQNR, all ops quantized: {db_text(self.output_sqnr_db)} dB; "
             f"bytes {self.quantized_bytes} / {self.float_bytes} float"
         )
-        out = Path(path)
-        fig.savefig(out, format="png", dpi=100)
+        _files.write_file(
+            out.absolute(), "path", lambda tmp: fig.savefig(tmp, format="png", dpi=100)
+        )
         return out
+
+
+def _not_a_png(path: Path) -> str | None:
+    """Why ``path`` is not a PNG file that :meth:`QuantizationReport.plot` may replace."""
+    if path.is_dir():
+        return "it is a directory"
+    with open(path, "rb") as f:
+        head = f.read(8)
+    return None if head == b"\x89PNG\r\n\x1a\n" else "it does not start with the PNG signature"
 
 
 def text_table(rows: Sequence[Sequence[str]], left: int) -> list[str]:
