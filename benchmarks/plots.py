@@ -146,7 +146,7 @@ def save(name: str, data: dict[str, Any]) -> Path:
     fig.tight_layout()
     PLOTS.mkdir(exist_ok=True)
     path = PLOTS / f"{name}.png"
-    write_atomic(path, lambda f: fig.savefig(f, format="png", dpi=110))
+    write_atomic(path, lambda p: fig.savefig(p, format="png", dpi=110))
     plt.close(fig)
     return path
 

@@ -293,7 +293,7 @@ def plot(path: Path, rows: Sequence[dict[str, Any]]) -> None:
     ax.set_ylabel("test accuracy (%)")
     ax.set_title("Digits CNN: accuracy vs size, float32 and quantized")
     ax.grid(True, alpha=0.35)
-    write_atomic(path, lambda f: fig.savefig(f, format="png", dpi=120))
+    write_atomic(path, lambda p: fig.savefig(p, format="png", dpi=120))
     plt.close(fig)
 
 

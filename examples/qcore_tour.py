@@ -375,7 +375,7 @@ def plot(path: Path, rows: Sequence[dict[str, Any]], float_acc: float) -> None:
         f"(float32 test accuracy {float_acc:.1%})"
     )
     ax.grid(True, alpha=0.35)
-    write_atomic(path, lambda f: fig.savefig(f, format="png", dpi=120))
+    write_atomic(path, lambda p: fig.savefig(p, format="png", dpi=120))
     plt.close(fig)
 
 

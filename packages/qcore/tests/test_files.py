@@ -29,7 +29,7 @@ def test_writes_new_file_with_default_permissions(tmp_path: Path) -> None:
 
 
 def test_replaces_a_file_and_accepts_a_writer_function(folder: Path) -> None:
-    files.write_atomic(folder / "model.bin", lambda f: f.write(b"new model"))
+    files.write_atomic(folder / "model.bin", lambda p: p.write_bytes(b"new model"))
     assert (folder / "model.bin").read_bytes() == b"new model"
     assert sorted(p.name for p in folder.iterdir()) == ["model.bin", "notes.txt"]
 
@@ -49,7 +49,7 @@ def test_a_failure_at_any_step_leaves_the_old_file_and_no_temporary(
     before = snapshot(folder)
     data: object = b"new model"
     if step == "write":
-        data = lambda f: (f.write(b"half"), _raise())  # noqa: E731 - fails after writing
+        data = lambda p: (p.write_bytes(b"half"), _raise())  # noqa: E731 - fails after writing
     else:
         monkeypatch.setattr(files.os, step, _raise)
     with pytest.raises(Boom):
@@ -60,7 +60,7 @@ def test_a_failure_at_any_step_leaves_the_old_file_and_no_temporary(
 def test_keyboard_interrupt_is_cleaned_up_too(folder: Path) -> None:
     before = snapshot(folder)
 
-    def interrupted(f: object) -> None:
+    def interrupted(p: Path) -> None:
         raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
@@ -102,3 +102,20 @@ def test_replace_is_asked_only_about_existing_files(tmp_path: Path) -> None:
     files.write_atomic(tmp_path / "a", b"2", replace=lambda p: asked.append(p) or True)
     assert asked == [tmp_path / "a"]
     assert (tmp_path / "a").read_bytes() == b"2"
+
+
+def test_an_unwritable_directory_is_named(folder: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(*args: object, **kwargs: object) -> int:
+        raise PermissionError(13, "Permission denied")
+
+    before = snapshot(folder)
+    monkeypatch.setattr(files.os, "open", refuse)
+    assert_rejects(
+        lambda: files.write_atomic(folder / "model.bin", b"x"),
+        PermissionError,
+        str(folder / "model.bin"),
+        f"cannot write in {folder}",
+        "Permission denied",
+    )
+    monkeypatch.undo()
+    assert_unchanged(before, folder)

@@ -24,14 +24,13 @@ import os
 import secrets
 from collections.abc import Callable
 from pathlib import Path
-from typing import BinaryIO
 
 __all__ = ["write_atomic"]
 
 
 def write_atomic(
     path: str | os.PathLike,
-    data: bytes | Callable[[BinaryIO], object],
+    data: bytes | Callable[[Path], object],
     *,
     replace: Callable[[Path], bool] | None = None,
 ) -> Path:
@@ -39,9 +38,10 @@ def write_atomic(
 
     Args:
         path: The file to write. Its directory must exist.
-        data: The bytes to write, or a function that writes them into the binary
-            file object it is given (e.g. ``lambda f: fig.savefig(f, format="png")``);
-            anything it raises aborts the write.
+        data: The bytes to write, or a function that writes the file at the
+            temporary path it is given (e.g. ``lambda p: fig.savefig(p, format="png")``
+            or ``lambda p: safetensors.numpy.save_file(tensors, p)``); anything it
+            raises aborts the write.
         replace: Decides whether an existing file at ``path`` may be replaced (it is
             given the path). ``None`` replaces any regular file. A directory or other
             non-file at ``path`` is never replaced.
@@ -53,6 +53,8 @@ def write_atomic(
         FileExistsError: If ``path`` is a directory or another non-file, or an existing
             file that ``replace`` refuses; nothing is written then.
         FileNotFoundError: If the directory of ``path`` does not exist.
+        PermissionError: If the directory of ``path`` is not writable (the message
+            names the path and the directory).
     """
     target = Path(path)
     if target.exists() or target.is_symlink():
@@ -68,16 +70,16 @@ def write_atomic(
         with os.fdopen(fd, "wb") as f:
             if isinstance(data, bytes | bytearray | memoryview):
                 f.write(data)
-            else:
-                data(f)
-            f.flush()
-            os.fsync(f.fileno())
+        if callable(data):
+            data(tmp)
+        _fsync(tmp)  # reopened: a writer may have replaced the file at tmp
         os.replace(tmp, target)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
-    _sync_directory(directory)
+    with contextlib.suppress(OSError):  # some file systems cannot sync a directory
+        _fsync(directory)  # the rename
     return target
 
 
@@ -89,17 +91,15 @@ def _create_temporary(target: Path) -> tuple[int, Path]:
             return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), tmp
         except FileExistsError:  # pragma: no cover - a 32-bit name collision
             continue
+        except OSError as err:
+            message = f"path={str(target)!r}: cannot write in {target.parent}: {err.strerror}"
+            raise type(err)(err.errno, message) from err
 
 
-def _sync_directory(directory: Path) -> None:
-    """Flushes a directory entry (the rename) to disk where the platform allows it."""
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:  # pragma: no cover - e.g. Windows cannot open directories
-        return
+def _fsync(path: Path) -> None:
+    """Flushes a file, or a directory's entries, to disk."""
+    fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
-    except OSError:  # pragma: no cover - some file systems refuse fsync on directories
-        pass
     finally:
         os.close(fd)

@@ -18,6 +18,8 @@ import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from qcore.files import write_atomic
+
 
 def check_target(
     target: Path,
@@ -121,28 +123,19 @@ def _sync_entries(directory: Path) -> None:
         fsync(directory)
 
 
-def write_file(target: Path, arg: str, write: Callable[[Path], None]) -> None:
+def write_file(target: Path, arg: str, write: Callable[[Path], object]) -> None:
     """Writes a file with ``write(temporary path)``, then moves it onto ``target``.
 
     Call :func:`check_target` first. On any failure the temporary is removed (and
-    parents created for it) and ``target`` is as it was.
+    parents created for it) and ``target`` is as it was
+    (:func:`qcore.files.write_atomic`).
     """
     created = _make_parents(target, arg)
-    tmp = _sibling(target, "tmp")
     try:
-        try:
-            with open(tmp, "xb"):
-                pass
-        except OSError as err:
-            raise _unwritable(target, arg, target.parent, err) from err
-        write(tmp)
-        fsync(tmp)
-        os.replace(tmp, target)
+        write_atomic(target, write)
     except BaseException:
-        tmp.unlink(missing_ok=True)
         _remove_dirs(created)
         raise
-    _sync_entries(target.parent)
 
 
 @contextlib.contextmanager
