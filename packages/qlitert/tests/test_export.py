@@ -1,7 +1,6 @@
 """Export of annotated JAX functions: integer kernels, agreement with JAX, safe files, errors."""
 
 import importlib.metadata
-import os
 
 import jax
 import jax.numpy as jnp
@@ -94,20 +93,6 @@ def test_symbolic_shapes_point_to_static_export():
         qlitert.export(mlp, jax.ShapeDtypeStruct((b, 64), jnp.float32), validate=False)
 
 
-def test_save_is_atomic(tmp_path, monkeypatch):
-    path = tmp_path / "model.tflite"
-    qlitert.save(path, b"old contents")
-
-    def disk_full(fd):
-        raise OSError("disk full")
-
-    monkeypatch.setattr(os, "fsync", disk_full)
-    with pytest.raises(OSError, match="disk full"):
-        qlitert.save(path, b"new contents")
-    assert path.read_bytes() == b"old contents"
-    assert [p.name for p in tmp_path.iterdir()] == ["model.tflite"]
-
-
 def test_an_unverified_converter_version_is_refused(monkeypatch):
     real = importlib.metadata.version
     monkeypatch.setattr(
@@ -120,7 +105,7 @@ def test_an_unverified_converter_version_is_refused(monkeypatch):
 
 
 def test_inspect_rejects_other_bytes_and_models_check_their_inputs():
-    with pytest.raises(ValueError, match="not a LiteRT flatbuffer"):
+    with pytest.raises(ValueError, match="not a valid LiteRT model"):
         qlitert.inspect(b"\x00" * 64)
     model = qlitert.LiteRTModel(qlitert.export(mlp, X))
     with pytest.raises(ValueError, match=r"shape \(4, 64\)"):
@@ -134,5 +119,5 @@ def test_qdq_arguments_are_checked():
         qdq.fake_quant(jnp.ones(3), 0.1, dtype="u8")
     with pytest.raises(ValueError, match="need axis="):
         qdq.fake_quant(jnp.ones((2, 3)), [0.1, 0.2])
-    with pytest.raises(ValueError, match="must be finite and > 0"):
+    with pytest.raises(ValueError, match="finite and > 0"):
         qdq.fake_quant(jnp.ones(3), 0.0)

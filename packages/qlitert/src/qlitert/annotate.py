@@ -57,7 +57,7 @@ import numpy as np
 import qflax
 from qlitert import qdq, scopes
 from qlitert import rules as _rules
-from qlitert.calibration import Calibration
+from qlitert.calibration import Calibration, NonFiniteError
 from qlitert.export import INTEGER_TYPES
 from qlitert.interpreter import Interpreter, Rep
 
@@ -140,20 +140,36 @@ def calibrate(
         strict: Raise on ops that cannot be quantized (else they stay float).
 
     Raises:
-        ValueError: For empty ``batches`` or invalid rules.
+        TypeError: For an array as ``batches`` or non-numeric inputs.
+        ValueError: For empty ``batches``, empty inputs, inputs that change rank
+            or number between batches, or invalid rules.
+        NonFiniteError: (a ValueError) For NaN or inf in a batch or in a site's
+            values, naming the batch and the site.
         UnsupportedOpError: In strict mode, naming the op and its module.
     """
+    if isinstance(momentum, bool) or not isinstance(momentum, int | float):
+        raise TypeError(f"momentum={momentum!r}; allowed: a float in [0, 1)")
     if not 0.0 <= momentum < 1.0:
-        raise ValueError(f"momentum={momentum} must be in [0, 1)")
+        raise ValueError(f"momentum={momentum} is out of range; allowed: 0 <= momentum < 1")
+    if isinstance(batches, np.ndarray | jax.Array):
+        raise TypeError(
+            f"batches is one array of shape {batches.shape}; allowed: an iterable of "
+            "batches, e.g. [x] (iterating an array would calibrate on its rows)"
+        )
     cal = Calibration(momentum=momentum, rules=_rules.check(rules), strict=strict)
     used: set[int] = set()
-    for batch in batches:
-        inputs = batch if isinstance(batch, tuple) else (batch,)
+    first: tuple[np.ndarray, ...] | None = None
+    for b, batch in enumerate(batches):
+        inputs = _batch(batch, b, first)
+        first = first or inputs
         interp = Interpreter(cal, observe=True, strict=strict)
-        _interpret(fn, tuple(np.asarray(x) for x in inputs), interp)
+        try:
+            _interpret(fn, inputs, interp)
+        except NonFiniteError as err:
+            raise NonFiniteError(f"batches[{b}]: {err}") from None
         used |= interp.used_rules
-    if not cal.counts:
-        raise ValueError("batches is empty: calibrate needs at least one batch")
+    if first is None:
+        raise ValueError("batches is empty; allowed: at least one batch")
     for i, rule in enumerate(cal.rules):
         if i not in used:
             warnings.warn(
@@ -163,6 +179,40 @@ def calibrate(
                 stacklevel=2,
             )
     return cal
+
+
+def _batch(batch: Any, b: int, first: tuple[np.ndarray, ...] | None) -> tuple[np.ndarray, ...]:
+    """Calibration batch ``b`` as arrays, checked against the first batch.
+
+    Raises:
+        TypeError: For a non-numeric input.
+        ValueError: For an empty input, NaN or inf, or another number of inputs or
+            ranks than the first batch.
+    """
+    inputs = tuple(np.asarray(x) for x in (batch if isinstance(batch, tuple) else (batch,)))
+    if first is not None and len(inputs) != len(first):
+        raise ValueError(
+            f"batches[{b}] has {len(inputs)} inputs, batches[0] {len(first)}; allowed: the "
+            "same inputs in every batch (a tuple of arrays for several)"
+        )
+    for i, x in enumerate(inputs):
+        where = f"batches[{b}]" + (f"[{i}]" if len(inputs) > 1 else "")
+        if x.dtype.kind not in "biuf":
+            raise TypeError(f"{where} has dtype {x.dtype}; allowed: numeric arrays")
+        if x.size == 0:
+            raise ValueError(f"{where} has shape {x.shape}, no values; allowed: non-empty arrays")
+        bad = int(x.size - np.count_nonzero(np.isfinite(x)))
+        if bad:
+            raise NonFiniteError(
+                f"{where} has {bad} non-finite values (NaN or inf) of {x.size}; "
+                "calibrating would hide them: fix or drop the batch"
+            )
+        if first is not None and x.ndim != first[i].ndim:
+            raise ValueError(
+                f"{where} has shape {x.shape}, batches[0] {first[i].shape}; allowed: "
+                "arrays of the same rank in every batch"
+            )
+    return inputs
 
 
 class Annotated:

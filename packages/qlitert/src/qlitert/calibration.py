@@ -35,6 +35,10 @@ import qflax
 from qlitert import qdq
 
 
+class NonFiniteError(ValueError):
+    """Calibration data holds NaN or inf (the message names the site)."""
+
+
 def _rate(count: Any, momentum: float, xp: Any) -> Any:
     """Weight of a new batch: a cumulative average until ``1 / (1 - momentum)`` batches."""
     return xp.maximum(1.0 / (count + 1.0), 1.0 - momentum)
@@ -60,9 +64,22 @@ class Calibration:
     strict: bool = True
 
     def observe(self, site: str, x: Any) -> None:
-        """Folds one batch's range of ``x`` into ``site``'s moving average."""
+        """Folds one batch's range of ``x`` into ``site``'s moving average.
+
+        An empty ``x`` changes nothing.
+
+        Raises:
+            NonFiniteError: If ``x`` holds NaN or inf: a range that skipped them
+                would hide them, and one that kept them would make the site's
+                scale NaN.
+        """
         x = np.asarray(x)
-        x = x[np.isfinite(x)]  # NaN and inf say nothing about the range
+        bad = int(x.size - np.count_nonzero(np.isfinite(x)))
+        if bad:
+            raise NonFiniteError(
+                f"site {site!r} has {bad} non-finite values (NaN or inf) of {x.size}; "
+                "calibrating would hide them: fix the model or drop the batch"
+            )
         if x.size == 0:
             return
         lo, hi = float(np.min(x)), float(np.max(x))
@@ -97,7 +114,8 @@ class Calibration:
         """A copy whose ranges and counts come from a (trained) :meth:`state`.
 
         Raises:
-            ValueError: If ``state`` has other sites than this calibration.
+            ValueError: If ``state`` has other sites than this calibration, or a
+                range that is not finite.
         """
         if set(state) != set(self.ranges):
             missing, extra = set(self.ranges) - set(state), set(state) - set(self.ranges)
@@ -106,6 +124,12 @@ class Calibration:
                 f"unknown sites {sorted(extra)}"
             )
         values = {site: np.asarray(v, np.float64) for site, v in state.items()}
+        for site, v in values.items():
+            if not np.all(np.isfinite(v)):
+                raise ValueError(
+                    f"state[{site!r}]={v.tolist()} is not finite (a NaN or inf batch in "
+                    "training); allowed: finite [lo, hi, count]"
+                )
         return dataclasses.replace(
             self,
             ranges={site: [float(v[0]), float(v[1])] for site, v in values.items()},
@@ -114,13 +138,16 @@ class Calibration:
 
 
 def update_range(entry: jax.Array, x: jax.Array, momentum: float) -> jax.Array:
-    """One batch folded into a traced ``[lo, hi, count]`` entry, as ``Calibration.observe``."""
+    """One batch folded into a traced ``[lo, hi, count]`` entry, as ``Calibration.observe``.
+
+    Traced values cannot raise: a batch holding NaN or inf makes the range NaN (so
+    the site's scale and everything computed from it are NaN, as in float).
+    """
+    if x.size == 0:
+        return entry
     x = jax.lax.stop_gradient(x)
-    finite = jnp.isfinite(x)
-    lo = jnp.min(jnp.where(finite, x, jnp.inf))
-    hi = jnp.max(jnp.where(finite, x, -jnp.inf))
+    finite = jnp.all(jnp.isfinite(x))
+    lo, hi = jnp.where(finite, jnp.min(x), jnp.nan), jnp.where(finite, jnp.max(x), jnp.nan)
     rate = _rate(entry[2], momentum, jnp)
-    ok = jnp.any(finite)
     new = jnp.stack([entry[0] + (lo - entry[0]) * rate, entry[1] + (hi - entry[1]) * rate])
-    new = jnp.where(ok, new, entry[:2])
-    return jnp.concatenate([new, entry[2:] + ok.astype(entry.dtype)])
+    return jnp.concatenate([new.astype(entry.dtype), entry[2:] + 1])

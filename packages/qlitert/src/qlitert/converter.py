@@ -105,6 +105,9 @@ def widen_int16_biases(tflite: bytes) -> bytes:
     inputs; LiteRT 2.3.0's ``CONV_2D`` then reads them as int64 without a check
     (wrong outputs) and ``DEPTHWISE_CONV_2D`` refuses them. ``FULLY_CONNECTED``
     takes int32 and is left alone. Models without such ops come back unchanged.
+    A widened bias gets a buffer of its own: the converter shares equal constants
+    (e.g. zero biases) between tensors, and a shared buffer widened in place would
+    be widened once per user (and break an int32 bias sharing it).
     """
     import flatbuffers  # noqa: PLC0415 - heavy imports, only for converted models
     import numpy as np  # noqa: PLC0415
@@ -114,6 +117,7 @@ def widen_int16_biases(tflite: bytes) -> bytes:
     names = {v: k for k, v in vars(schema.BuiltinOperator).items() if not k.startswith("_")}
     int16, int32 = schema.TensorType.INT16, schema.TensorType.INT32
     changed = 0
+    widened: dict[int, int] = {}  # buffer -> its int64 copy (the converter shares buffers)
     for graph in model.subgraphs:
         for op in graph.operators:
             code = model.operatorCodes[op.opcodeIndex]
@@ -124,9 +128,14 @@ def widen_int16_biases(tflite: bytes) -> bytes:
             bias = graph.tensors[inputs[2]]
             if graph.tensors[inputs[0]].type != int16 or bias.type != int32:
                 continue
-            buffer = model.buffers[bias.buffer]
-            data = np.frombuffer(np.asarray(buffer.data, np.uint8).tobytes(), np.int32)
-            buffer.data = data.astype(np.int64).view(np.uint8)
+            if bias.buffer not in widened:
+                # A new buffer: others (e.g. a fully connected int32 bias) may share this one.
+                data = np.asarray(model.buffers[bias.buffer].data, np.uint8).tobytes()
+                buffer: Any = schema.BufferT()  # generated: data typed as a list
+                buffer.data = np.frombuffer(data, np.int32).astype(np.int64).view(np.uint8)
+                model.buffers.append(buffer)
+                widened[bias.buffer] = len(model.buffers) - 1
+            bias.buffer = widened[bias.buffer]
             bias.type = schema.TensorType.INT64
             changed += 1
     if not changed:

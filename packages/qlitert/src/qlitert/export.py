@@ -37,7 +37,6 @@ Example:
 from __future__ import annotations
 
 import os
-import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -45,8 +44,9 @@ from typing import Any
 import jax
 import numpy as np
 
+from qcore.files import write_atomic
 from qlitert import converter
-from qlitert.inspection import ModelReport, inspect
+from qlitert.inspection import ModelReport, from_bytes, inspect
 from qlitert.runtime import LiteRTModel
 
 # int8 data, int32 biases and indices, int64 shapes (and 16x8 biases), bool masks.
@@ -57,12 +57,25 @@ class ExportError(ValueError):
     """The export or its validation failed; the message is the report."""
 
 
-def _spec(x: Any, i: int) -> jax.ShapeDtypeStruct:
+def _spec(x: Any, i: int, validate: bool) -> jax.ShapeDtypeStruct:
     if isinstance(x, jax.ShapeDtypeStruct):
+        if validate:
+            raise ExportError(
+                f"example_inputs[{i}] is a ShapeDtypeStruct; validate=True needs arrays "
+                "(or pass validate=False)"
+            )
         shape = x.shape
     else:
         x = np.asarray(x)
         shape = x.shape
+        if x.dtype.kind not in "biuf":
+            raise TypeError(f"example_inputs[{i}] has dtype {x.dtype}; allowed: numeric arrays")
+        bad = int(x.size - np.count_nonzero(np.isfinite(x)))
+        if validate and bad:
+            raise ExportError(
+                f"example_inputs[{i}] has {bad} non-finite values (NaN or inf); validation "
+                "compares outputs on them: allowed: finite example inputs (or validate=False)"
+            )
     if not all(isinstance(d, int) for d in shape):
         raise ExportError(
             f"example_inputs[{i}] has a symbolic shape {shape}: export at a static shape "
@@ -98,28 +111,57 @@ def export(
         The ``.tflite`` flatbuffer.
 
     Raises:
-        ExportError: For symbolic shapes or a failed validation.
+        TypeError: If ``fn`` is not callable or an example input not numeric.
+        ExportError: (a ValueError) For symbolic shapes, no example inputs,
+            non-finite ones with ``validate``, names or types that do not fit, or
+            a failed validation.
     """
+    if not callable(fn):
+        raise TypeError(f"fn is a {type(fn).__name__}; allowed: a callable")
     if not example_inputs:
-        raise ExportError("export(fn, *example_inputs) needs at least one example input")
-    specs = [_spec(x, i) for i, x in enumerate(example_inputs)]
+        raise ExportError("export(fn, *example_inputs) got no example input; allowed: 1 or more")
+    specs = [_spec(x, i, validate) for i, x in enumerate(example_inputs)]
+    _check_types(compute_types)
+    input_names = _names("input_names", input_names, len(specs), "x")
     exported = jax.export.export(jax.jit(fn), platforms=["cpu"])(*specs)
     # Known once the export has traced fn.
     allowed = compute_types or getattr(fn, "compute_types", None) or INTEGER_TYPES
-    n_out = len(exported.out_avals)
     tflite = converter.stablehlo_to_tflite(
         exported.mlir_module_serialized,
-        input_names=list(input_names or [f"x{i}" for i in range(len(specs))]),
-        output_names=list(output_names or [f"y{i}" for i in range(n_out)]),
+        input_names=input_names,
+        output_names=_names("output_names", output_names, len(exported.out_avals), "y"),
     )
     if validate:
-        if any(isinstance(x, jax.ShapeDtypeStruct) for x in example_inputs):
-            raise ExportError("validate=True needs concrete example inputs (arrays)")
         problems = check_kernels(inspect(tflite), allowed)
         problems += check_agreement(tflite, fn, example_inputs)
         if problems:
             raise ExportError("the converted model failed validation:\n" + "\n".join(problems))
     return tflite
+
+
+def _names(arg: str, names: Sequence[str] | None, n: int, prefix: str) -> list[str]:
+    """Signature names: ``names`` checked (``n`` distinct strings), or ``prefix0...``."""
+    if names is None:
+        return [f"{prefix}{i}" for i in range(n)]
+    names = [names] if isinstance(names, str) else list(names)
+    if len(names) != n or len(set(names)) != n or not all(isinstance(s, str) and s for s in names):
+        raise ExportError(f"{arg}={names!r}; allowed: {n} distinct non-empty strings")
+    return names
+
+
+def _check_types(compute_types: Sequence[str] | None) -> None:
+    """Raises ExportError for a type that is not a LiteRT tensor type name."""
+    if compute_types is None:
+        return
+    from ai_edge_litert import schema_py_generated as schema  # noqa: PLC0415 - heavy import
+
+    known = [k for k in vars(schema.TensorType) if not k.startswith("_")]
+    given = [compute_types] if isinstance(compute_types, str) else list(compute_types)
+    if isinstance(compute_types, str) or any(t not in known for t in given):
+        raise ExportError(
+            f"compute_types={compute_types!r} is not a sequence of LiteRT tensor types; "
+            f"allowed: names among {known}"
+        )
 
 
 def check_kernels(report: ModelReport, compute_types: Sequence[str] = INTEGER_TYPES) -> list[str]:
@@ -203,20 +245,52 @@ def check_agreement(tflite: bytes, fn: Callable[..., Any], inputs: Sequence[Any]
     return problems
 
 
-def save(path: str | os.PathLike, tflite: bytes) -> Path:
-    """Writes ``tflite`` to ``path`` atomically: a failure leaves no partial file.
+def save(path: str | os.PathLike, tflite: bytes, *, overwrite: bool = False) -> Path:
+    """Writes the model ``tflite`` to ``path`` atomically; returns the absolute path.
 
-    An existing file at ``path`` is replaced only by a complete new one.
+    ``tflite`` is checked first (as :func:`~qlitert.inspect` does), so garbage never
+    replaces a model. The bytes go to a temporary file beside ``path``, are synced
+    to disk, and the temporary is renamed over ``path``: a failure at any step
+    leaves ``path`` as it was and no temporary behind. An existing LiteRT model (or
+    an empty file) at ``path`` is replaced; any other file only with
+    ``overwrite=True``; a directory never.
+
+    Args:
+        path: The ``.tflite`` file to write.
+        tflite: The flatbuffer bytes (from :func:`export`).
+        overwrite: Replace an existing file that is not a LiteRT model.
+
+    Raises:
+        TypeError: If ``tflite`` is not bytes or ``path`` not a path.
+        ValueError: If ``tflite`` is not a valid LiteRT model, ``path`` is a
+            directory, its directory does not exist, or it holds another file and
+            not ``overwrite``.
+        OSError: If writing fails (``path`` is then unchanged).
     """
+    if not isinstance(tflite, bytes | bytearray | memoryview):
+        raise TypeError(
+            f"tflite is a {type(tflite).__name__}; allowed: the .tflite bytes from export()"
+        )
+    if not isinstance(path, str | os.PathLike):
+        raise TypeError(f"path is a {type(path).__name__}; allowed: a str or os.PathLike")
+    from_bytes(bytes(tflite), "tflite")
     target = Path(path).absolute()
-    tmp = target.with_name(f".{target.name}.tmp-{uuid.uuid4().hex[:8]}")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(tflite)
-            f.flush()
-            os.fsync(f.fileno())
-        tmp.replace(target)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    return target
+    if target.is_dir():
+        raise ValueError(f"path={str(target)!r} is a directory; allowed: a .tflite file path")
+    if not target.parent.is_dir():
+        raise ValueError(f"path={str(target)!r}: its directory does not exist")
+    if target.exists() and not overwrite and not _replaceable(target):
+        raise ValueError(
+            f"path={str(target)!r} exists and is not a LiteRT model (no 'TFL3' identifier); "
+            "pass overwrite=True to replace it"
+        )
+    return write_atomic(target, bytes(tflite))
+
+
+def _replaceable(path: Path) -> bool:
+    """Whether ``path`` is a regular file holding a LiteRT model (or nothing)."""
+    if not path.is_file():
+        return False
+    with open(path, "rb") as f:
+        head = f.read(8)
+    return not head or head[4:8] == b"TFL3"

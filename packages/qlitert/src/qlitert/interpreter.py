@@ -215,14 +215,25 @@ class Interpreter:
             return x, q
         return self.site(x, eqn, label if q.kind == "float" else f"{label}.const")
 
-    def weight(self, w: Any, axis: int | None, dtype: str | None) -> Any:
-        """A matmul/convolution weight: symmetric narrow range, per output channel."""
+    def weight(self, w: Any, axis: int | None, dtype: str | None, eqn: Any) -> Any:
+        """A matmul/convolution weight of ``eqn``: symmetric narrow range, per output channel.
+
+        Raises:
+            ValueError: For a concrete weight holding NaN or inf (naming the module).
+        """
         self.seen.add(dtype or "f32")
         if self.observing or dtype is None:
             return w
         if self.train:
             return _ste_weight(w, axis, qdq.RANGES[dtype][1])
         w = np.asarray(w, np.float32)
+        bad = int(w.size - np.count_nonzero(np.isfinite(w)))
+        if bad:
+            raise ValueError(
+                f"the weight of {eqn.primitive.name} in module {self.describe(eqn)} has {bad} "
+                "non-finite values (NaN or inf); quantizing would hide them: fix or mask the "
+                "weights first"
+            )
         if axis is None:
             absmax = max(float(np.max(np.abs(w))), 1e-12)
             scale = np.array([absmax / qdq.RANGES[dtype][1]], np.float32)
@@ -307,7 +318,7 @@ class Interpreter:
         if d.scale is not None:
             with jax.ensure_compile_time_eval():  # a concrete weight stays concrete
                 w = w * _along(d.scale, np.ndim(w), d.w_axis)
-        y = _bind(d.eqn, [d.x, self.weight(w, d.w_axis, self.types(d.eqn).weight)])[0]
+        y = _bind(d.eqn, [d.x, self.weight(w, d.w_axis, self.types(d.eqn).weight, d.eqn)])[0]
         if d.offset is not None:
             y = y + jnp.asarray(_along(d.offset, y.ndim, d.out_axis), y.dtype)
         return y, q
@@ -442,13 +453,13 @@ class Interpreter:
             # A constant on the left (e.g. jax.image.resize's interpolation matrices):
             # the converter transposes around a FULLY_CONNECTED; one scale, no folding.
             b, _ = self.materialize(b, qb, eqn, f"{name}.rhs")
-            return _bind(eqn, [self.weight(a, None, types.weight), b])[0], pending
+            return _bind(eqn, [self.weight(a, None, types.weight, eqn), b])[0], pending
         a, _ = self.materialize(a, qa, eqn, f"{name}.lhs")
         w_axis = _out_axis(eqn, np.ndim(b)) if qb.kind == "const" else None
         if qb.kind == "const" and w_axis is not None:
             return _Deferred(eqn, a, b, w_axis, _result_axis(eqn)), pending
         if qb.kind == "const":
-            b = self.weight(b, w_axis, types.weight)
+            b = self.weight(b, w_axis, types.weight, eqn)
         else:
             b, _ = self.materialize(b, qb, eqn, f"{name}.rhs")
         return _bind(eqn, [a, b])[0], pending
@@ -551,4 +562,4 @@ def _ste_weight(w: Any, axis: int | None, qmax: int) -> Any:
     absmax = jax.lax.stop_gradient(jnp.max(jnp.abs(w), axis=reduce, keepdims=True))
     scale = jnp.where(absmax > 0, absmax / qmax, 1.0)
     q = jnp.clip(qdq.round_half_away(w / scale), -qmax, qmax) * scale
-    return _ste(w, jax.lax.stop_gradient(q))
+    return _ste(w, jax.lax.stop_gradient(qdq.nan_blocks(w, q, scale.shape)))

@@ -57,31 +57,41 @@ def activation_params(lo: Any, hi: Any, dtype: str = "i8") -> tuple[np.ndarray, 
     point 0 (TFLite's 16x8 kernels require it). Returns 1-element float32 / int64
     arrays.
     """
-    scale, zero_point = range_params(float(np.min(lo)), float(np.max(hi)), dtype, np)
+    lo, hi = float(np.min(lo)), float(np.max(hi))
+    if not (np.isfinite(lo) and np.isfinite(hi)):
+        raise ValueError(f"lo={lo}, hi={hi}: the range is not finite; allowed: finite bounds")
+    scale, zero_point = range_params(lo, hi, dtype, np)
     return np.array([scale], np.float32), np.array([zero_point], np.int64)
 
 
 def range_params(lo: Any, hi: Any, dtype: str, xp: Any = jnp) -> tuple[Any, Any]:
     """:func:`activation_params` as scalars, with numpy (``xp=np``) or traced (``jnp``).
 
-    QAT computes the parameters from ranges that change during training.
+    QAT computes the parameters from ranges that change during training. A NaN
+    or inf bound gives a NaN scale.
     """
     qmin, qmax = _check_dtype(dtype)
     lo, hi = xp.minimum(lo, 0.0), xp.maximum(hi, 0.0)
+    finite = xp.isfinite(hi - lo)  # a NaN or inf range gives a NaN scale (the NaN policy)
     if dtype == "i16":
         absmax = xp.maximum(-lo, hi)
-        return xp.where(absmax > 0, absmax / qmax, 1.0), xp.zeros_like(absmax)
-    scale = xp.where(hi > lo, (hi - lo) / (qmax - qmin), 1.0)
+        scale = xp.where(absmax > 0, absmax / qmax, 1.0)
+        return xp.where(finite, scale, np.nan), xp.zeros_like(absmax)
+    scale = xp.where(finite, xp.where(hi > lo, (hi - lo) / (qmax - qmin), 1.0), np.nan)
     return scale, xp.clip(xp.round(qmin - lo / scale), qmin, qmax)
 
 
 def weight_scales(w: Any, axis: int, dtype: str = "i8") -> np.ndarray:
-    """Symmetric narrow-range scales, one per index of ``axis`` (``absmax / qmax``)."""
+    """Symmetric narrow-range scales, one per index of ``axis`` (``absmax / qmax``).
+
+    A channel holding NaN or inf gets a NaN scale (qlitert's NaN policy).
+    """
     _, qmax = _check_dtype(dtype)
     w = np.asarray(w, np.float32)
     reduce = tuple(a for a in range(w.ndim) if a != axis % w.ndim)
     absmax = np.max(np.abs(w), axis=reduce)
-    return np.where(absmax > 0, absmax / qmax, 1.0).astype(np.float32)
+    scale = np.where(absmax > 0, absmax / qmax, 1.0)
+    return np.where(np.isfinite(absmax), scale, np.nan).astype(np.float32)  # the NaN policy
 
 
 def _params(scale: Any, zero_point: Any, axis: int | None, ndim: int) -> dict[str, Any]:
@@ -91,7 +101,7 @@ def _params(scale: Any, zero_point: Any, axis: int | None, ndim: int) -> dict[st
     if zp.size != scale.size:
         raise ValueError(f"zero_point has {zp.size} entries, scale {scale.size}")
     if not np.all(scale > 0) or not np.all(np.isfinite(scale)):
-        raise ValueError(f"scale must be finite and > 0, got {scale}")
+        raise ValueError(f"scale={scale.tolist()}; allowed: scales that are finite and > 0")
     attrs: dict[str, Any] = {"scale": scale, "zero_point": zp}
     if scale.size > 1:
         if axis is None:
@@ -125,7 +135,21 @@ def quantize_dequantize(
     else:
         q = round_half_away(x.astype(jnp.float32) / scale) + zero_point
     q = jnp.clip(q, qmin, qmax)
-    return ((q - zero_point) * scale).astype(x.dtype)
+    return nan_blocks(x, (q - zero_point) * scale, jnp.shape(scale)).astype(x.dtype)
+
+
+def nan_blocks(x: jax.Array, y: jax.Array, scale_shape: tuple[int, ...]) -> jax.Array:
+    """``y`` with NaN in every block of ``x`` that holds a NaN or inf.
+
+    A block is the values that share one scale (of shape ``scale_shape``,
+    broadcastable to ``x``): the whole tensor for a per-tensor scale, a channel
+    for per-channel ones. qlitert's NaN policy: quantization never turns a
+    non-finite value into a finite one.
+    """
+    full = (1,) * (x.ndim - len(scale_shape)) + tuple(scale_shape)
+    axes = tuple(a for a in range(x.ndim) if full[a] == 1)
+    bad = jnp.any(~jnp.isfinite(x), axis=axes, keepdims=True)
+    return jnp.where(bad, jnp.nan, y)
 
 
 def _pooled_codes(mean: jax.Array, scale: Any, zero_point: Any, n: int) -> jax.Array:
@@ -157,6 +181,10 @@ def fake_quant(
 ) -> jax.Array:
     """``x`` quantized and dequantized, annotated as ``quant.fake_quant``.
 
+    Quantization never turns a non-finite value into a finite one: every block
+    of values that share a scale (all of ``x`` for one scale, an index of
+    ``axis`` for per-channel scales) holding a NaN or inf comes back all NaN.
+
     Args:
         x: A float array.
         scale: One scale, or one per index of ``axis``.
@@ -187,7 +215,11 @@ def fake_quant(
 
 
 def quantize(x: jax.Array, scale: Any, zero_point: Any = None, *, dtype: str = "i8") -> jax.Array:
-    """Float → integer codes, annotated as ``quant.quantize`` (a model's int input)."""
+    """Float → integer codes, annotated as ``quant.quantize`` (a model's int input).
+
+    Codes cannot hold NaN: the codes of an ``x`` with NaN or inf are meaningless
+    (:class:`qlitert.LiteRTModel` refuses such inputs for integer outputs).
+    """
     qmin, qmax = _check_dtype(dtype)
     attrs = _params(scale, zero_point, None, x.ndim) | {"dtype": dtype, "narrow_range": False}
     if attrs["scale"].size != 1:

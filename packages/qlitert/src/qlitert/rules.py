@@ -15,7 +15,7 @@ their matmul / convolution weights.
 
 An op no rule matches stays float. Without rules every op is int8. The other
 rule fields select what TFLite's kernels fix (per-tensor activations, min/max
-ranges, per-channel weights), so they must keep their defaults.
+ranges, per-channel weights, no rotation), so they must keep their defaults.
 
 Example:
     >>> import qflax
@@ -42,7 +42,10 @@ import qflax
 ACT_TYPES = {"int8": "i8", "int16": "i16"}
 WEIGHT_TYPES = {"int8": "i8", "int4": "i4"}
 _DEFAULTS = qflax.QuantizationRule()
-_FIXED = ("op_names", "tile_size", "weight_calibration_method", "act_batch_axes")
+_FIXED = (
+    "op_names", "tile_size", "weight_calibration_method", "act_calibration_method",
+    "act_batch_axes", "rotation",
+)  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,7 +99,7 @@ def check(rules: Sequence[qflax.QuantizationRule] | None) -> tuple[qflax.Quantiz
                 raise ValueError(
                     f"rules[{i}].{field}={getattr(rule, field)!r}: LiteRT fixes this "
                     f"(per-tensor min/max activations, per-channel absmax weights, every op "
-                    f"of the module); leave it at {getattr(_DEFAULTS, field)!r}"
+                    f"of the module, no rotation); leave it at {getattr(_DEFAULTS, field)!r}"
                 )
         out.append(rule)
     return tuple(out)

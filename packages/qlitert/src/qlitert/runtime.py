@@ -21,65 +21,154 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
+from qlitert.inspection import ModelReport, from_bytes, read
 from qlitert.qdq import round_half_away
+
+# What the interpreter raises for a model it cannot load (a damaged tensor name
+# is a UnicodeDecodeError).
+_LOAD_ERRORS = (ValueError, RuntimeError, UnicodeDecodeError)
 
 
 class LiteRTModel:
     """A ``.tflite`` model ready to run (``ai_edge_litert`` interpreter).
 
+    The model is checked (:func:`qlitert.inspect`) before the interpreter sees
+    it: a truncated or damaged file is a ValueError, not a crash.
+
+    Non-finite inputs follow qlitert's NaN policy: the model quantizes each
+    input with one static scale, so a NaN or inf anywhere in an input makes all
+    of it non-finite, and every output computed from that input is NaN (the
+    whole output: a ``.tflite`` model has no batch axis to tell examples apart).
+    Integer outputs cannot hold NaN: computing one from a non-finite input is a
+    ValueError.
+
     Args:
-        tflite: The flatbuffer bytes.
+        tflite: The flatbuffer bytes, or the path of a ``.tflite`` file.
         num_threads: Interpreter threads.
         quantize_io: For integer inputs/outputs: quantize float inputs and
             dequantize outputs with the tensors' own parameters (default True);
             False passes and returns the integer codes.
+
+    Raises:
+        TypeError: If ``tflite`` is neither bytes nor a path.
+        ValueError: For ``num_threads`` < 1, or a model that is not valid or that
+            LiteRT cannot load (naming the input and what is wrong).
     """
 
-    def __init__(self, tflite: bytes, *, num_threads: int = 2, quantize_io: bool = True) -> None:
+    def __init__(self, tflite: Any, *, num_threads: int = 2, quantize_io: bool = True) -> None:
         from ai_edge_litert.interpreter import Interpreter  # noqa: PLC0415 - heavy import
 
-        if num_threads < 1:
-            raise ValueError(f"num_threads={num_threads} must be >= 1")
-        self.tflite = bytes(tflite)
+        if isinstance(num_threads, bool) or not isinstance(num_threads, int) or num_threads < 1:
+            raise ValueError(f"num_threads={num_threads!r}; allowed: an int >= 1")
+        data, what = read(tflite)
+        self._reaches = _reaches(from_bytes(data, what))
+        self.tflite = data
         self.quantize_io = quantize_io
-        self._interpreter = Interpreter(model_content=self.tflite, num_threads=num_threads)
-        self._interpreter.allocate_tensors()
-        self.inputs = self._interpreter.get_input_details()
-        self.outputs = self._interpreter.get_output_details()
+        try:
+            self._interpreter = Interpreter(model_content=self.tflite, num_threads=num_threads)
+            self._interpreter.allocate_tensors()
+            self.inputs = self._interpreter.get_input_details()
+            self.outputs = self._interpreter.get_output_details()
+        except _LOAD_ERRORS as err:
+            raise ValueError(f"{what}: LiteRT cannot load the model ({err})") from None
 
     def __call__(self, *inputs: Any) -> Any:
         """Runs the model; returns one array, or a tuple for several outputs.
 
+        Outputs computed from an input holding NaN or inf are NaN (see the class).
+
         Raises:
-            ValueError: For a wrong number of inputs or a shape the model does not take.
+            TypeError: For an input that is not numeric, or float codes where the
+                model takes integer codes (``quantize_io=False``).
+            ValueError: For a wrong number of inputs, a shape the model does not
+                take, integer codes out of range, or a non-finite input that an
+                integer output is computed from.
         """
         if len(inputs) != len(self.inputs):
-            raise ValueError(f"the model takes {len(self.inputs)} inputs, got {len(inputs)}")
+            names = [d["name"] for d in self.inputs]
+            raise ValueError(
+                f"the model takes {len(self.inputs)} inputs {names}, got {len(inputs)}"
+            )
         it = self._interpreter
+        nan_outputs: set[int] = set()
         for detail, x in zip(self.inputs, inputs, strict=True):
-            x = np.asarray(x)
-            shape = tuple(int(d) for d in detail["shape"])
-            if tuple(x.shape) != shape:
-                raise ValueError(
-                    f"input {detail['name']!r} has shape {shape} "
-                    f"(models are exported at a static shape), got {tuple(x.shape)}"
-                )
+            x = self._check_input(np.asarray(x), detail)
+            if x.dtype.kind == "f" and not np.all(np.isfinite(x)):
+                reached = self._reaches[int(detail["index"])]
+                self._check_nan_outputs(detail, reached, int(np.sum(~np.isfinite(x))))
+                nan_outputs |= reached
             it.set_tensor(detail["index"], self._to_model(x, detail))
         it.invoke()
         outs = tuple(self._from_model(it.get_tensor(d["index"]), d) for d in self.outputs)
+        outs = tuple(np.full_like(y, np.nan) if k in nan_outputs else y for k, y in enumerate(outs))
         return outs[0] if len(outs) == 1 else outs
+
+    def _quantized(self, detail: dict) -> bool:
+        """Whether the wrapper quantizes / dequantizes this integer tensor."""
+        dtype = np.dtype(detail["dtype"])
+        return self.quantize_io and dtype.kind in "iu" and detail["quantization"][0] != 0
+
+    def _check_input(self, x: np.ndarray, detail: dict) -> np.ndarray:
+        name, dtype = detail["name"], np.dtype(detail["dtype"])
+        shape = tuple(int(d) for d in detail["shape"])
+        if x.dtype.kind not in "biuf":
+            raise TypeError(
+                f"input {name!r} has dtype {x.dtype}; allowed: a numeric array ({dtype})"
+            )
+        if tuple(x.shape) != shape:
+            raise ValueError(
+                f"input {name!r} has shape {shape} "
+                f"(models are exported at a static shape), got {tuple(x.shape)}"
+            )
+        if dtype.kind in "iu" and not self._quantized(detail):
+            if x.dtype.kind == "f":
+                raise TypeError(
+                    f"input {name!r} takes {dtype} codes (quantize_io={self.quantize_io}), "
+                    f"got {x.dtype} values; allowed: an integer array"
+                )
+            info = np.iinfo(dtype)
+            if x.size and (x.min() < info.min or x.max() > info.max):
+                raise ValueError(
+                    f"input {name!r} holds values in [{x.min()}, {x.max()}]; "
+                    f"allowed: {dtype} codes in [{info.min}, {info.max}]"
+                )
+        return x
+
+    def _check_nan_outputs(self, detail: dict, outputs: set[int], bad: int) -> None:
+        for k in sorted(outputs):
+            out = self.outputs[k]
+            if np.dtype(out["dtype"]).kind in "iu" and not self._quantized(out):
+                raise ValueError(
+                    f"input {detail['name']!r} holds {bad} non-finite values (NaN or inf), "
+                    f"and output {out['name']!r} is computed from it as "
+                    f"{np.dtype(out['dtype'])} codes, which cannot hold NaN; allowed: finite "
+                    "inputs (or quantize_io=True for float outputs)"
+                )
 
     def _to_model(self, x: np.ndarray, detail: dict) -> np.ndarray:
         dtype = np.dtype(detail["dtype"])
-        if not np.issubdtype(dtype, np.integer) or not self.quantize_io:
+        if not self._quantized(detail):
             return x.astype(dtype)
         scale, zp = detail["quantization"]
         info = np.iinfo(dtype)
+        x = np.where(np.isfinite(x), x, 0)  # the outputs become NaN (see __call__)
         q = np.asarray(round_half_away(jnp.asarray(x / np.float32(scale)))) + zp  # as QUANTIZE
         return np.clip(q, info.min, info.max).astype(dtype)
 
     def _from_model(self, y: np.ndarray, detail: dict) -> np.ndarray:
-        if not np.issubdtype(y.dtype, np.integer) or not self.quantize_io:
+        if not self._quantized(detail):
             return y
         scale, zp = detail["quantization"]
         return (y.astype(np.float32) - zp) * np.float32(scale)
+
+
+def _reaches(report: ModelReport) -> dict[int, set[int]]:
+    """For each graph input tensor, the positions of the graph outputs computed from it."""
+    reaches = {}
+    for i in report.inputs:
+        seen = {i}
+        for op in report.ops:  # in execution order
+            if seen.intersection(op.inputs):
+                seen.update(op.outputs)
+        reaches[i] = {k for k, o in enumerate(report.outputs) if o in seen}
+    return reaches
