@@ -154,9 +154,9 @@ def test_a_failed_export_leaves_the_model_and_the_file_untouched(tmp_path):
         model(x)
     before, values = switches(model), state(model)
     path = tmp_path / "model.tflite"
-    path.write_bytes(b"previous")
+    path.write_bytes(b"previous")  # not a model: replaced only with overwrite=True
     with pytest.raises(qlitert.UnsupportedOpError, match="sin"):
-        qtorchlike.export_tflite(model, x, path=path)
+        qtorchlike.export_tflite(model, x, path=path, overwrite=True)
     assert path.read_bytes() == b"previous"
     assert switches(model) == before
     after = state(model)

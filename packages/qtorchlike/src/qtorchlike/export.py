@@ -368,6 +368,7 @@ def export_tflite(
     *,
     path: str | os.PathLike[str] | None = None,
     validate: bool = True,
+    overwrite: bool = False,
 ) -> bytes:
     """Converts ``model`` to a full-integer LiteRT model (int8 kernels) with qlitert.
 
@@ -389,22 +390,30 @@ def export_tflite(
     integer kernels only, outputs within one step of the JAX function.
 
     The model's modes, switches and state are as before afterwards, also when the
-    export fails; ``path`` is written (atomically) only after a successful export.
+    export fails. Every argument is checked before converting. ``path`` is written
+    only after a successful export, by :func:`qlitert.save`: atomically (a failure
+    leaves the previous file as it was and no temporary behind), replacing an
+    existing ``.tflite`` model, any other file only with ``overwrite=True``, a
+    directory never.
 
     Args:
         model: The module, calibrated (see :func:`qtorchlike.calibration_mode`).
         example_input: One input batch (float32), e.g. ``(1, 1, 28, 28)``.
         path: Where to save the ``.tflite`` (optional).
         validate: Check the converted model (qlitert's validation).
+        overwrite: Replace an existing file at ``path`` that is not a ``.tflite`` model.
 
     Returns:
         The ``.tflite`` flatbuffer.
 
     Raises:
         ImportError: If qlitert is not installed (``pip install 'jaxquant-qtorchlike[litert]'``).
-        TypeError: If ``model`` is not a :class:`qtorchlike.nn.Module`, or
-            ``example_input`` is not a numeric array with at least one dimension.
+        TypeError: If ``model`` is not a :class:`qtorchlike.nn.Module`,
+            ``example_input`` is not a numeric array with at least one dimension,
+            ``path`` is not a path, or ``validate``/``overwrite`` is not a bool.
         FileNotFoundError: If ``path``'s directory does not exist.
+        ValueError: If ``path`` is a directory, or an existing file that is not a
+            ``.tflite`` model and ``overwrite`` is not set.
         qlitert.ExportError: If conversion or validation fails.
 
     Example:
@@ -418,13 +427,14 @@ def export_tflite(
             y = qlitert.LiteRTModel(tflite)(x)  # within one step of model.eval()(x)
     """
     _check_model(model, "export_tflite")
-    qlitert = _import_qlitert()
-    if path is not None and not Path(path).absolute().parent.is_dir():
-        raise FileNotFoundError(
-            f"export_tflite(path={str(path)!r}): the directory "
-            f"{str(Path(path).absolute().parent)!r} does not exist"
-        )
-    example = np.asarray(example_input)
+    for name, flag in (("validate", validate), ("overwrite", overwrite)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"export_tflite({name}={flag!r}): {name} must be True or False")
+    _check_path(path, overwrite)
+    try:
+        example = np.asarray(example_input)
+    except (TypeError, ValueError):  # ragged lists
+        example = np.asarray(None)
     if example.ndim == 0 or not (
         np.issubdtype(example.dtype, np.number) or example.dtype == np.bool_
     ):
@@ -435,6 +445,7 @@ def export_tflite(
         )
     if np.issubdtype(example.dtype, np.floating):
         example = example.astype(np.float32)
+    qlitert = _import_qlitert()
     switches = _Switches(model)
     before = {**dict(model.named_parameters()), **dict(model.named_buffers())}
     handles = []
@@ -480,5 +491,36 @@ def export_tflite(
         switches.restore()
         set_state(model, before)
     if path is not None:
-        qlitert.save(path, tflite)
+        qlitert.save(path, tflite, overwrite=overwrite)
     return tflite
+
+
+def _check_path(path: Any, overwrite: bool) -> None:
+    """Checks ``path`` before converting, as :func:`qlitert.save` will when writing."""
+    if path is None:
+        return
+    if not isinstance(path, str | os.PathLike):
+        raise TypeError(
+            f"export_tflite(path={path!r}): path must be a str or os.PathLike (a .tflite file)"
+        )
+    target = Path(path).absolute()
+    if target.is_dir():
+        raise ValueError(
+            f"export_tflite(path={str(path)!r}): {str(target)!r} is a directory; allowed: a "
+            "file path, e.g. model.tflite inside it"
+        )
+    if not target.parent.is_dir():
+        raise FileNotFoundError(
+            f"export_tflite(path={str(path)!r}): the directory {str(target.parent)!r} does "
+            "not exist"
+        )
+    if target.exists() and not overwrite:
+        head = b"?"  # not a regular file: never replaced without overwrite
+        if target.is_file():
+            with open(target, "rb") as f:
+                head = f.read(8)
+        if head and head[4:8] != b"TFL3":
+            raise ValueError(
+                f"export_tflite(path={str(path)!r}): {str(target)!r} exists and is not a "
+                ".tflite model (no 'TFL3' identifier); pass overwrite=True to replace it"
+            )

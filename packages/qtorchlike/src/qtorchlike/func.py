@@ -56,6 +56,13 @@ def _swapped(
             f"state has keys {unknown} that are neither parameters nor buffers of "
             f"{type(model).__name__}; its keys are {sorted(before)}"
         )
+    for key, value in state.items():
+        shape, want = getattr(value, "shape", None), getattr(before[key], "shape", None)
+        if shape is not None and want is not None and tuple(shape) != tuple(want):
+            raise ValueError(
+                f"state[{key!r}] has shape {tuple(shape)} but the model's {key!r} has "
+                f"{tuple(want)}; allowed: the model's shapes"
+            )
     set_state(model, state)
     try:
         passed = _snapshot(model)
@@ -164,6 +171,11 @@ def train_step(
         >>> losses[-1] < 1e-3 < losses[0]
         True
     """
+    if not callable(loss_fn):
+        raise TypeError(
+            f"train_step(loss_fn={loss_fn!r}): loss_fn must be callable as "
+            "loss_fn(model, *batch) -> scalar"
+        )
 
     def pure(params, others, opt_state, hp, rngs, key, *batch):
         def loss_of(params):

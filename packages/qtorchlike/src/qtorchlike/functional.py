@@ -56,8 +56,10 @@ def hardtanh(x: Any, min_val: float = -1.0, max_val: float = 1.0) -> Any:
 
 
 def _pair(v: Any, name: str, lowest: int = 1) -> tuple[int, int]:
-    out = (v, v) if isinstance(v, int) else tuple(v)
-    if len(out) != 2 or any(not isinstance(i, int) or i < lowest for i in out):
+    out = (v, v) if isinstance(v, int) else tuple(v) if isinstance(v, tuple | list) else ()
+    if len(out) != 2 or any(
+        isinstance(i, bool) or not isinstance(i, int) or i < lowest for i in out
+    ):
         raise ValueError(f"{name}={v!r} must be an int >= {lowest} or a pair of them")
     return out  # type: ignore[return-value]
 
@@ -101,10 +103,18 @@ def avg_pool2d(x: Any, kernel_size: Any, stride: Any = None) -> Any:
 
 def flatten(x: Any, start_dim: int = 0, end_dim: int = -1) -> Any:
     """Flattens dims ``start_dim..end_dim``; keeps a per-tensor QuantTensor."""
+    shape = value(x).shape
+    n = len(shape)
+    for name, d in (("start_dim", start_dim), ("end_dim", end_dim)):
+        if not -n <= d < n:
+            raise ValueError(
+                f"flatten({name}={d}) is out of range for an input of rank {n}; "
+                f"allowed: {-n}..{n - 1}"
+            )
+    start_dim %= n
     if isinstance(x, QuantTensor):
         return x.flatten(start_dim, end_dim)
-    shape = x.shape
-    end = end_dim % len(shape)
+    end = end_dim % n
     new = (*shape[:start_dim], int(np.prod(shape[start_dim : end + 1])), *shape[end + 1 :])
     return jnp.reshape(x, new)
 
@@ -136,6 +146,8 @@ def dropout(x: Any, p: float = 0.5, training: bool = True) -> Any:
 
     In eval (or ``p=0``) it returns ``x`` unchanged (a QuantTensor stays one).
     """
+    if isinstance(p, bool) or not isinstance(p, int | float) or not 0 <= p < 1:
+        raise ValueError(f"dropout(p={p!r}): p must be a number in [0, 1)")
     if not training or p == 0:
         return x
     v = value(x)

@@ -22,11 +22,13 @@ Example:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from qtorchlike.nn.module import Module, set_state
 
@@ -42,8 +44,7 @@ class _Optimizer:
                 f"model={type(model).__name__} must be a qtorchlike.nn.Module (optimizers "
                 "update the module's parameters in place)"
             )
-        if not lr > 0:
-            raise ValueError(f"lr={lr!r} must be a positive learning rate")
+        _check_number("lr", lr, 0.0, inclusive=False)
         self.model, self.lr = model, float(lr)
         self.names: tuple[str, ...] = ()
         self.state = None
@@ -118,6 +119,8 @@ class SGD(_Optimizer):
     def __init__(
         self, model: Module, lr: float, momentum: float = 0.0, weight_decay: float = 0.0
     ) -> None:
+        _check_number("momentum", momentum, 0.0)
+        _check_number("weight_decay", weight_decay, 0.0)
         self.momentum, self.weight_decay = float(momentum), float(weight_decay)
         super().__init__(model, lr)
 
@@ -155,6 +158,12 @@ class Adam(_Optimizer):
         eps: float = 1e-8,
         weight_decay: float = 0.0,
     ) -> None:
+        if not isinstance(betas, tuple | list) or len(betas) != 2:
+            raise TypeError(f"betas={betas!r} must be a pair of numbers in [0, 1)")
+        for b in betas:
+            _check_number("betas", b, 0.0, upper=1.0)
+        _check_number("eps", eps, 0.0)
+        _check_number("weight_decay", weight_decay, 0.0)
         self.betas, self.eps, self.weight_decay = tuple(map(float, betas)), float(eps), weight_decay
         super().__init__(model, lr)
 
@@ -179,3 +188,16 @@ class Adam(_Optimizer):
             v_hat = v[k] / (1 - b2**tf)
             new_params[k] = p - hp["lr"] * m_hat / (jnp.sqrt(v_hat) + hp["eps"])
         return new_params, {"m": m, "v": v, "t": t}
+
+
+def _check_number(
+    name: str, v: Any, lower: float, inclusive: bool = True, upper: float | None = None
+) -> None:
+    """``v`` is a real number ``>= lower`` (``> lower`` unless inclusive), below ``upper``."""
+    if isinstance(v, bool) or not isinstance(v, int | float | np.integer | np.floating):
+        raise TypeError(f"{name}={v!r} must be a number")
+    low_ok = v >= lower if inclusive else v > lower
+    if not (low_ok and math.isfinite(v) and (upper is None or v < upper)):
+        bound = f"{'>=' if inclusive else '>'} {lower:g}"
+        allowed = f"{bound} and < {upper:g}" if upper is not None else bound
+        raise ValueError(f"{name}={v!r} must be a finite number {allowed}")

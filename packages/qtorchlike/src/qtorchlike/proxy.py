@@ -34,7 +34,7 @@ from jax.core import Tracer
 import qcore
 from qcore import numerics
 from qtorchlike import random
-from qtorchlike.nn.module import Module, Parameter
+from qtorchlike.nn.module import Module, Parameter, path_of
 from qtorchlike.quant_tensor import QuantTensor
 from qtorchlike.solver import (
     QuantSpec,
@@ -80,6 +80,35 @@ def _threshold(x: jax.Array, spec: QuantSpec, channelwise=(), tiled=None) -> jax
     return hi
 
 
+def _check_finite(x: Any, describe: Any) -> None:
+    """Raises ValueError(``describe(n)``) if concrete ``x`` holds ``n > 0`` NaN or ±inf values.
+
+    Under tracing (``jax.jit``) nothing can be raised; the non-finite values then
+    make their blocks' scales NaN (:func:`_poison`).
+    """
+    if isinstance(x, Tracer):
+        return
+    with jax.ensure_compile_time_eval():  # a concrete array, also while tracing
+        if bool(jnp.all(jnp.isfinite(x))):
+            return
+    n = int(np.sum(~np.isfinite(np.asarray(x))))
+    raise ValueError(describe(f"{n} non-finite value{'s' if n != 1 else ''} (NaN or inf)"))
+
+
+def _poison(x: jax.Array, out: jax.Array, scale: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """NaN for every block of ``x`` (the values one scale serves) that holds NaN or ±inf.
+
+    Returns ``out`` (the quantized ``x``) and ``scale`` with those blocks' values and
+    scales NaN: quantization never turns a non-finite value into a finite one.
+    """
+    shape = (1,) * (x.ndim - scale.ndim) + tuple(scale.shape)
+    blocks = [d for s, n in zip(shape, x.shape, strict=True) for d in (s, n // s)]
+    inner = tuple(range(1, 2 * x.ndim, 2))
+    bad = jnp.any(~jnp.isfinite(x.reshape(blocks)), axis=inner, keepdims=True)
+    out = jnp.where(bad, jnp.nan, out.reshape(blocks)).reshape(x.shape)
+    return out, jnp.where(bad.reshape(scale.shape), jnp.nan, scale)
+
+
 def _ceil_ste(x: jax.Array) -> jax.Array:
     return x + jax.lax.stop_gradient(jnp.ceil(x) - x)
 
@@ -89,11 +118,14 @@ def _to_scale(threshold: jax.Array, spec: QuantSpec, log_domain: bool = False) -
     if spec.restrict is RestrictValueType.POWER_OF_TWO:
         # 2^ceil(log2 t) / int_scaling, int_scaling a power of two (Brevitas' CeilSte).
         log_t = threshold if log_domain else jnp.log2(jnp.maximum(threshold, 1e-30))
-        return jnp.exp2(_ceil_ste(log_t) - math.log2(spec.int_scaling))
-    t = jnp.exp2(threshold) if log_domain else threshold
-    # An all-zero block gives threshold 0: fall back to scale 1 (qcore's rule).
-    t = jnp.where(t > 0, t, jnp.ones_like(t) * spec.int_scaling)
-    return t / spec.int_scaling
+        scale = jnp.exp2(_ceil_ste(log_t) - math.log2(spec.int_scaling))
+    else:
+        t = jnp.exp2(threshold) if log_domain else threshold
+        # An all-zero block gives threshold 0: fall back to scale 1 (qcore's rule).
+        scale = jnp.where(t > 0, t, jnp.ones_like(t) * spec.int_scaling) / spec.int_scaling
+    # A non-finite threshold (statistics of a NaN or inf block under jax.jit) gives a
+    # NaN scale, never a finite fallback.
+    return jnp.where(jnp.isfinite(threshold), scale, jnp.nan)
 
 
 def _log_param(spec: QuantSpec) -> bool:
@@ -130,6 +162,17 @@ class _Proxy(Module):
         """Python-level switches a jitted trace depends on."""
         return (self.enabled,)
 
+    def _site(self) -> str:
+        """``'<dotted name>' (<quantizer> of <layer type>)``, for error messages."""
+        owner = _owner(self)
+        of = f" of {type(owner).__name__}" if owner is not None else ""
+        return f"{path_of(self)!r} ({self.spec.name}{of})"
+
+    def _quantize(self, x: jax.Array, scale: jax.Array) -> QuantTensor:
+        """``x`` fake-quantized with ``scale`` (NaN blocks where ``x`` is not finite)."""
+        value, scale = _poison(x, _fake_quant(x, scale, self.spec), scale)
+        return self._qt(value, scale)
+
     def _qt(self, value: jax.Array, scale: jax.Array) -> QuantTensor:
         return QuantTensor(
             value,
@@ -143,6 +186,25 @@ class _Proxy(Module):
     def extra_repr(self) -> str:
         s = self.spec
         return f"{s.name}: {s.qtype}, {s.scaling.value} scaling, per {s.per.value}"
+
+
+def _owner(module: Module) -> Module | None:
+    owner = module.__dict__.get("_owner")
+    return owner[0]() if owner is not None else None
+
+
+def _check_param(layer: Module | None, name: str, x: Any) -> None:
+    """Policy for weights: a concrete non-finite value is an error naming the parameter."""
+    prefix = path_of(layer) if layer is not None else ""
+    where = f"{type(layer).__name__} " if layer is not None else ""
+    param = f"{prefix}.{name}" if prefix else name
+    _check_finite(
+        x,
+        lambda bad: (
+            f"param {param!r} of {where}has {bad}; quantizing would hide them: "
+            "fix or mask the weights first"
+        ),
+    )
 
 
 class WeightQuantProxy(_Proxy):
@@ -168,6 +230,9 @@ class WeightQuantProxy(_Proxy):
 
     def track(self, layer: Module, channel_axis: int = 0, input_axis: int = 1) -> None:
         """Adds a layer whose ``weight`` this proxy also quantizes (a shared quantizer)."""
+        weight = getattr(layer, "weight", None)
+        if weight is not None:
+            self._blocks(weight, channel_axis, input_axis)  # group_size must divide it
         self._tracked.append((weakref.ref(layer), channel_axis, input_axis))
         if self.spec.scaling in (ScalingImplType.PARAMETER_FROM_STATS, ScalingImplType.PARAMETER):
             self.init_scale()
@@ -177,6 +242,7 @@ class WeightQuantProxy(_Proxy):
         for ref, c, i in self._tracked:
             layer = ref()
             if layer is not None and getattr(layer, "weight", None) is not None:
+                _check_param(layer, "weight", layer.weight)
                 out.append((layer.weight, c, i))
         return out
 
@@ -258,11 +324,21 @@ class WeightQuantProxy(_Proxy):
         return _to_scale(self.value, spec, log_domain=_log_param(spec))
 
     def forward(self, w: jax.Array, channel_axis: int = 0, input_axis: int = 1) -> Any:
-        """Returns ``w`` quantized as a QuantTensor (``w`` itself when disabled)."""
+        """Returns ``w`` quantized as a QuantTensor (``w`` itself when disabled).
+
+        Raises:
+            ValueError: If ``w`` is concrete and holds NaN or ±inf (the message names
+                the parameter). Under ``jax.jit`` such a block's scale is NaN instead.
+        """
         if not self.enabled:
             return w
+        layers = (ref() for ref, *_ in self._tracked)
+        layer = next(
+            (m for m in layers if m is not None and m._parameters.get("weight") is w), None
+        )
+        _check_param(layer, "weight", w)
         scale = self.scale_for(w, channel_axis, input_axis)
-        return self._qt(_fake_quant(w, scale, self.spec), scale)
+        return self._quantize(w, scale)
 
 
 class ActQuantProxy(_Proxy):
@@ -300,17 +376,22 @@ class ActQuantProxy(_Proxy):
     def trace_flags(self) -> tuple:  # noqa: D102
         return (self.enabled, self.calibrating)
 
-    def _update_running(self, stat: jax.Array, momentum: float | None) -> jax.Array:
-        n = self.counter.astype(jnp.float32)
-        if momentum is None:  # cumulative average
-            new = (self.running * n + stat) / (n + 1)
-        else:
-            new = jnp.where(
-                self.counter == 0, stat, (1 - momentum) * self.running + momentum * stat
-            )
-        self.running = new
-        self.counter = self.counter + 1
-        return new
+    def _update_running(self, stat: jax.Array, momentum: float | None) -> None:
+        self.running, self.counter = _running(self.running, self.counter, stat, momentum)
+
+    def _check_batch(self, x: jax.Array) -> None:
+        _check_finite(
+            x,
+            lambda bad: (
+                f"activation quantizer {self._site()} got {bad} while collecting "
+                "statistics; they would make its scale NaN: fix or mask the input first"
+            ),
+        )
+
+    def _collect(self, x: jax.Array) -> jax.Array:
+        """The statistic of batch ``x``, which must be finite when concrete."""
+        self._check_batch(x)
+        return _threshold(x, self.spec).reshape(())
 
     def start_collection(self) -> None:
         """Starts fresh statistics (used by :func:`qtorchlike.calibration_mode`)."""
@@ -339,13 +420,13 @@ class ActQuantProxy(_Proxy):
         if spec.scaling is ScalingImplType.PARAMETER:
             return learned
         if self.calibrating and x is not None:
-            batch = _threshold(x, spec).reshape(())
+            batch = self._collect(x)
             # Calibration: an exact running mean over every batch, no phase limit.
             self._update_running(batch, None)
             return batch
         if spec.scaling is ScalingImplType.STATS:
             if self.training and x is not None:
-                batch = _threshold(x, spec).reshape(())
+                batch = self._collect(x)
                 self._update_running(batch, spec.momentum)
                 return batch
             self._warn_if_empty()
@@ -354,17 +435,14 @@ class ActQuantProxy(_Proxy):
         # training calls, then the learned value (which takes the running statistic).
         steps = max(spec.collect_stats_steps, 1)
         if self.training and x is not None:
+            if not isinstance(self.counter, Tracer) and int(self.counter) < steps:
+                self._check_batch(x)
+
             # lax.cond, not jnp.where: the percentile (a sort) runs only while collecting.
             def collect(state):
                 running, counter, value = state
                 batch = _threshold(x, spec).reshape(())
-                n = counter.astype(jnp.float32)
-                if spec.momentum is None:
-                    running = (running * n + batch) / (n + 1)
-                else:
-                    m = spec.momentum
-                    running = jnp.where(counter == 0, batch, (1 - m) * running + m * batch)
-                counter = counter + 1
+                running, counter = _running(running, counter, batch, spec.momentum)
                 handover = jnp.log2(running) if log else running
                 value = jnp.where(counter == steps, handover, value)
                 return (running, counter, value), batch
@@ -392,7 +470,16 @@ class ActQuantProxy(_Proxy):
             )
 
     def forward(self, x: Any) -> Any:
-        """Returns ``x`` quantized as a QuantTensor (``x`` itself when disabled)."""
+        """Returns ``x`` quantized as a QuantTensor (``x`` itself when disabled).
+
+        Non-finite values make the (per-tensor) scale and every output value NaN.
+
+        Raises:
+            ValueError: If statistics are being collected (training with statistics,
+                :func:`qtorchlike.calibration_mode`) and concrete ``x`` holds NaN or
+                ±inf; the statistics are left as they were. Under ``jax.jit`` such a
+                batch is left out of the running statistics instead.
+        """
         xv = x.value if isinstance(x, QuantTensor) else jnp.asarray(x)
         if not self.enabled:
             return x
@@ -400,7 +487,7 @@ class ActQuantProxy(_Proxy):
         if self.calibrating:
             return xv  # observe only: the model runs in float during calibration
         scale = _to_scale(t, self.spec).reshape((1,) * xv.ndim)
-        return self._qt(_fake_quant(xv, scale, self.spec), scale)
+        return self._quantize(xv, scale)
 
 
 class BiasQuantProxy(_Proxy):
@@ -411,10 +498,12 @@ class BiasQuantProxy(_Proxy):
 
         Raises:
             ValueError: If the quantizer needs an input scale and the input was
-                not quantized (give the layer an ``input_quant``).
+                not quantized (give the layer an ``input_quant``), or if a concrete
+                ``bias`` holds NaN or ±inf (the message names the parameter).
         """
         if not self.enabled:
             return bias
+        _check_param(_owner(self), "bias", bias)
         spec = self.spec
         if spec.requires_input_scale:
             if input_scale is None or weight_scale is None:
@@ -430,7 +519,24 @@ class BiasQuantProxy(_Proxy):
             scale = _to_scale(jnp.asarray(spec.scaling_value, jnp.float32), spec).reshape(1)
         else:
             scale = _to_scale(_threshold(bias, spec), spec)
-        return self._qt(_fake_quant(bias, scale, spec), scale)
+        return self._quantize(bias, scale)
+
+
+def _running(
+    running: jax.Array, counter: jax.Array, stat: jax.Array, momentum: float | None
+) -> tuple[jax.Array, jax.Array]:
+    """Running statistic and count after ``stat``; a non-finite ``stat`` is left out.
+
+    Eagerly a non-finite batch is an error before this runs; under ``jax.jit`` the
+    batch's own output is NaN and the running statistic stays clean.
+    """
+    n = counter.astype(jnp.float32)
+    if momentum is None:  # cumulative average
+        new = (running * n + stat) / (n + 1)
+    else:
+        new = jnp.where(counter == 0, stat, (1 - momentum) * running + momentum * stat)
+    ok = jnp.isfinite(stat)
+    return jnp.where(ok, new, running), jnp.where(ok, counter + 1, counter)
 
 
 def scale_threshold(proxy: WeightQuantProxy) -> np.ndarray:

@@ -58,6 +58,15 @@ class QuantTensor:
         signed: Whether the codes are signed (None: unknown, which makes the
             tensor invalid, as Brevitas treats a binary quantizer without ``signed``).
         training: Whether it was produced in training mode.
+
+    Raises:
+        TypeError: A value, scale or zero point that is not an array of numbers, a
+            bit width that is not a number, ``signed`` not a bool or None,
+            ``training`` not a bool.
+        ValueError: A scale or zero point that does not broadcast to the value's
+            shape, a bit width that is not a scalar integer >= 1, or (when concrete)
+            a scale that is <= 0 or infinite. A NaN scale is allowed: it marks a
+            block that held a non-finite value (see "NaN and inf" in the docs).
     """
 
     __slots__ = ("value", "scale", "zero_point", "bit_width", "signed", "training")
@@ -71,10 +80,37 @@ class QuantTensor:
         signed: bool | None,
         training: bool,
     ) -> None:
-        self.value = jnp.asarray(value)
-        self.scale = jnp.asarray(scale)
-        self.zero_point = jnp.asarray(zero_point)
+        self.value = _array("value", value)
+        self.scale = _array("scale", scale)
+        self.zero_point = _array("zero_point", zero_point)
+        for name, a in (("scale", self.scale), ("zero_point", self.zero_point)):
+            if a.size != 1 and not _broadcasts(a.shape, self.value.shape):
+                raise ValueError(
+                    f"QuantTensor: {name} of shape {a.shape} does not broadcast to the value's "
+                    f"shape {self.value.shape}; allowed: a single value, or a shape of at most "
+                    "the value's rank whose dims divide the value's (one per block)"
+                )
+        if not _is_number(bit_width):
+            raise TypeError(f"QuantTensor(bit_width={bit_width!r}): bit_width must be a number")
         self.bit_width = jnp.asarray(bit_width, jnp.float32)
+        if self.bit_width.shape != ():
+            raise ValueError(
+                f"QuantTensor: bit_width of shape {self.bit_width.shape} must be a scalar"
+            )
+        if _concrete(self.bit_width):
+            bits = float(self.bit_width)
+            if not (bits >= 1 and bits == int(bits)):
+                raise ValueError(f"QuantTensor(bit_width={bits:g}): must be an integer >= 1")
+        s = np.asarray(self.scale, np.float64) if _concrete(self.scale) else np.ones(())
+        if np.any((s <= 0) | np.isinf(s)):  # NaN passes: a poisoned block
+            raise ValueError(
+                f"QuantTensor: scale {_show(self.scale)} is not allowed; allowed: scales > 0 "
+                "and finite (NaN marks a block that held NaN or inf)"
+            )
+        if signed is not None and not isinstance(signed, bool | np.bool_):
+            raise TypeError(f"QuantTensor(signed={signed!r}): must be True, False or None")
+        if not isinstance(training, bool | np.bool_):
+            raise TypeError(f"QuantTensor(training={training!r}): must be True or False")
         self.signed = None if signed is None else bool(signed)
         self.training = bool(training)
 
@@ -287,6 +323,31 @@ class QuantTensor:
     def __getitem__(self, index: Any) -> Any:
         value = self.value[index]
         return self._like(value) if self.is_per_tensor else value
+
+
+def _array(name: str, v: Any) -> jax.Array:
+    try:
+        return jnp.asarray(v)
+    except (TypeError, ValueError) as e:
+        raise TypeError(
+            f"QuantTensor({name}={type(v).__name__}): {name} must be an array of numbers"
+        ) from e
+
+
+def _broadcasts(shape: tuple[int, ...], to: tuple[int, ...]) -> bool:
+    """Whether one value per block of ``shape`` covers ``to`` (qcore's rule: dims divide)."""
+    if len(shape) > len(to):
+        return False
+    return all(
+        a == b or (a > 0 and b % a == 0) for a, b in zip(shape[::-1], to[::-1], strict=False)
+    )
+
+
+def _is_number(v: Any) -> bool:
+    dtype = getattr(v, "dtype", None)
+    if dtype is not None:
+        return np.issubdtype(dtype, np.number)
+    return isinstance(v, int | float | np.number) and not isinstance(v, bool)
 
 
 def _value(x: Any) -> Any:

@@ -20,12 +20,19 @@ import threading
 from collections.abc import Iterator
 
 import jax
+import numpy as np
 
 _state = threading.local()
 
 
 def manual_seed(seed: int) -> None:
-    """Seeds the global key that eager code draws from."""
+    """Seeds the global key that eager code draws from.
+
+    Raises:
+        TypeError: If ``seed`` is not an int.
+    """
+    if isinstance(seed, bool) or not isinstance(seed, int | np.integer):
+        raise TypeError(f"manual_seed(seed={seed!r}): seed must be an int")
     _state.key = jax.random.key(seed)
 
 

@@ -88,6 +88,17 @@ class FloatToIntImplType(_StrEnum):
     STOCHASTIC_ROUND = "stochastic_round"
 
 
+# Every attribute solve() reads (a layer's keyword overrides must name one of
+# these, an attribute of the quantizer, or a name its @value functions take).
+ATTRIBUTES = frozenset({
+    "bit_width", "collect_stats_steps", "exponent_bit_width", "float_to_int_impl_type",
+    "group_size", "high_percentile_q", "mantissa_bit_width", "narrow_range", "quant_type",
+    "requires_input_scale", "restrict_scaling_type", "scaling_const", "scaling_impl",
+    "scaling_impl_type", "scaling_init", "scaling_per_output_channel",
+    "scaling_per_output_type", "scaling_stats_momentum", "scaling_stats_op", "signed",
+    "tensor_quant", "min_val", "max_val",
+})  # fmt: skip
+
 _FP_TYPES = {(4, 3): "float8_e4m3fn", (5, 2): "float8_e5m2", (2, 1): "float4_e2m1fn"}
 _FP_MAX = {"float8_e4m3fn": 448.0, "float8_e5m2": 57344.0, "float4_e2m1fn": 6.0}
 

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from qtorchlike.nn.module import Module
-from qtorchlike.nn.quant_layer import act_proxy, split_kwargs
+from qtorchlike.nn.quant_layer import act_proxy, check_bool, check_input, split_kwargs
 from qtorchlike.quant import (
     Int8ActPerTensorFloat,
     Int8ActPerTensorFloatMinMaxInit,
@@ -47,14 +47,21 @@ class _QuantAct(Module):
         act_quant = self.default_act_quant if act_quant == "default" else act_quant
         self.input_quant = act_proxy(input_quant, groups["input_"], "input_quant")
         self.act_quant = act_proxy(act_quant, groups[""], "act_quant")
-        self.return_quant_tensor = bool(return_quant_tensor)
+        self.return_quant_tensor = check_bool("return_quant_tensor", return_quant_tensor)
 
     def activation(self, x: jax.Array) -> jax.Array:
         """The float function (identity here)."""
         return x
 
     def forward(self, x: Any) -> Any:
-        """Input quantizer, function, act quantizer; a QuantTensor or array as configured."""
+        """Input quantizer, function, act quantizer; a QuantTensor or array as configured.
+
+        Raises:
+            TypeError: If ``x`` is neither a floating-point array nor a QuantTensor.
+            ValueError: If a quantizer collecting statistics gets NaN or ±inf (see
+                :meth:`qtorchlike.proxy.ActQuantProxy.forward`).
+        """
+        x = check_input(self, x)
         if self.input_quant is not None:
             x = self.input_quant(x)
         xv = x.value if isinstance(x, QuantTensor) else jnp.asarray(x)
@@ -126,7 +133,13 @@ class QuantHardTanh(_QuantAct):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         if "min_val" not in kwargs or "max_val" not in kwargs:
             raise TypeError("QuantHardTanh needs min_val= and max_val= (the clamp bounds)")
-        bounds = (float(kwargs["min_val"]), float(kwargs["max_val"]))
+        try:
+            bounds = (float(kwargs["min_val"]), float(kwargs["max_val"]))
+        except (TypeError, ValueError) as e:
+            raise TypeError(
+                f"QuantHardTanh(min_val={kwargs['min_val']!r}, max_val={kwargs['max_val']!r}): "
+                "the bounds must be numbers"
+            ) from e
         if not bounds[0] < bounds[1]:
             raise ValueError(f"min_val={bounds[0]} must be < max_val={bounds[1]}")
         super().__init__(*args, **kwargs)

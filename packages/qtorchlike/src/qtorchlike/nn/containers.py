@@ -25,6 +25,11 @@ class Sequential(Module):
     def __init__(self, *modules: Module) -> None:
         super().__init__()
         for i, m in enumerate(modules):
+            if not isinstance(m, Module):
+                raise TypeError(
+                    f"Sequential argument {i} is a {type(m).__name__}; allowed: "
+                    "qtorchlike.nn.Module instances (e.g. qnn.QuantLinear(4, 2))"
+                )
             setattr(self, str(i), m)
 
     def __getitem__(self, i: int) -> Module:
@@ -108,6 +113,9 @@ class MaxPool2d(Module):
 
     def __init__(self, kernel_size: Any, stride: Any = None, padding: int = 0) -> None:
         super().__init__()
+        F._pair(kernel_size, "kernel_size")
+        F._pair(kernel_size if stride is None else stride, "stride")
+        F._pair(padding, "padding", lowest=0)
         self.kernel_size, self.stride, self.padding = kernel_size, stride, padding
 
     def forward(self, x: Any) -> Any:  # noqa: D102
@@ -119,6 +127,8 @@ class AvgPool2d(Module):
 
     def __init__(self, kernel_size: Any, stride: Any = None) -> None:
         super().__init__()
+        F._pair(kernel_size, "kernel_size")
+        F._pair(kernel_size if stride is None else stride, "stride")
         self.kernel_size, self.stride = kernel_size, stride
 
     def forward(self, x: Any) -> Any:  # noqa: D102

@@ -11,7 +11,7 @@ from jax import lax
 
 import qcore
 from qtorchlike.nn.linear import qarray_of
-from qtorchlike.nn.quant_layer import QuantWBIOL, spec_of
+from qtorchlike.nn.quant_layer import QuantWBIOL, check_positive_ints, spec_of
 from qtorchlike.quant import Int8WeightPerTensorFloat
 from qtorchlike.quant_tensor import QuantTensor
 
@@ -32,13 +32,20 @@ def ints(v: Any, n: int, name: str, minimum: int) -> tuple[int, ...]:
 
 def check_channels(in_channels: Any, out_channels: Any, groups: Any) -> None:
     """Channel counts and groups are positive ints, and groups divides both counts."""
-    named = {"in_channels": in_channels, "out_channels": out_channels, "groups": groups}
-    for name, v in named.items():
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"{name}={v!r} must be a positive int")
+    check_positive_ints(in_channels=in_channels, out_channels=out_channels, groups=groups)
     if in_channels % groups or out_channels % groups:
         raise ValueError(
             f"groups={groups} must divide in_channels={in_channels} and out_channels={out_channels}"
+        )
+
+
+def check_nc(layer: Any, x: Any, channels: int) -> None:
+    """Raises ValueError unless ``x`` is ``(N, channels, *spatial)`` for ``layer``'s rank."""
+    dims = layer._dims
+    if x.ndim != dims + 2 or x.shape[1] != channels:
+        raise ValueError(
+            f"{type(layer).__name__} expects input of shape (N, {channels}, "
+            f"{', '.join('L' * dims)}) (channels first), got {tuple(x.shape)}"
         )
 
 
@@ -90,11 +97,18 @@ class _QuantConvNd(QuantWBIOL):
             weight_quant, bias_quant, input_quant, output_quant, return_quant_tensor, kwargs
         )
 
-    def _check_input(self, x: Any) -> None:
-        if x.ndim != self._dims + 2 or x.shape[1] != self.in_channels:
+    def _check_shape(self, x: Any) -> None:
+        check_nc(self, x, self.in_channels)
+        if isinstance(self._padding, str):
+            return
+        spatial = x.shape[2:]
+        pads = [lo + hi for lo, hi in self._padding]
+        reach = [d * (k - 1) + 1 for d, k in zip(self.dilation, self.kernel_size, strict=True)]
+        if any(n + p < r for n, p, r in zip(spatial, pads, reach, strict=True)):
             raise ValueError(
-                f"{type(self).__name__} expects input of shape (N, {self.in_channels}, "
-                f"{', '.join('L' * self._dims)}) (channels first), got {tuple(x.shape)}"
+                f"{type(self).__name__}: input of shape {tuple(x.shape)} is smaller than "
+                f"kernel_size={self.kernel_size} (dilation={self.dilation}, padding="
+                f"{self.padding!r}); allowed: spatial sizes + padding >= {tuple(reach)}"
             )
 
     def _conv(self, conv: Any, x: Any, w: Any) -> Any:
@@ -109,11 +123,9 @@ class _QuantConvNd(QuantWBIOL):
         )
 
     def _float_op(self, x: Any, w: Any) -> Any:
-        self._check_input(x)
         return self._conv(lax.conv_general_dilated, x, w)
 
     def _int_op(self, x: QuantTensor, w: QuantTensor) -> Any:
-        self._check_input(x.value)
         xa = qarray_of(x, spec_of(self.input_quant).qtype, x.ndim)
         wa = qarray_of(w, spec_of(self.weight_quant).qtype, w.ndim)
         return self._conv(qcore.conv_general_dilated, xa, wa)

@@ -130,7 +130,7 @@ class QuantConvTranspose2d(QuantWBIOL):
             )
         )
 
-    def _check_input(self, x: Any) -> None:
+    def _check_shape(self, x: Any) -> None:
         if x.ndim != self._dims + 2 or x.shape[1] != self.in_channels:
             raise ValueError(
                 f"{type(self).__name__} expects input of shape (N, {self.in_channels}, H, W) "
@@ -144,7 +144,6 @@ class QuantConvTranspose2d(QuantWBIOL):
             )
 
     def _float_op(self, x: Any, w: Any) -> Any:
-        self._check_input(x)
         g = self.groups
         cin, cout_g, *ks = w.shape
         # (in, out/g, k...) -> (g, in/g, out/g, k...) -> (out, in/g, k...), flipped in space.

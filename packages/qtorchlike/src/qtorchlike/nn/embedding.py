@@ -11,7 +11,7 @@ from jax.core import Tracer
 
 from qtorchlike import random
 from qtorchlike.nn.module import Module, Parameter
-from qtorchlike.nn.quant_layer import split_kwargs, weight_proxy
+from qtorchlike.nn.quant_layer import check_bool, split_kwargs, weight_proxy
 from qtorchlike.quant import Int8WeightPerTensorFloat
 from qtorchlike.quant_tensor import QuantTensor
 
@@ -75,7 +75,7 @@ class QuantEmbedding(Module):
         self.weight = Parameter(w)
         groups = split_kwargs(type(self).__name__, kwargs, ("weight_",))
         self.weight_quant = weight_proxy(self, weight_quant, groups["weight_"], 0, 1)
-        self.return_quant_tensor = bool(return_quant_tensor)
+        self.return_quant_tensor = check_bool("return_quant_tensor", return_quant_tensor)
 
     def quant_weight(self) -> Any:
         """The table as the layer reads it: a QuantTensor, or the float weight."""

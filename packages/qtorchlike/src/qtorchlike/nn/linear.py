@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 
 import qcore
-from qtorchlike.nn.quant_layer import QuantWBIOL, spec_of
+from qtorchlike.nn.quant_layer import QuantWBIOL, check_positive_ints, spec_of
 from qtorchlike.quant import Int8WeightPerTensorFloat
 from qtorchlike.quant_tensor import QuantTensor
 
@@ -66,6 +66,7 @@ class QuantLinear(QuantWBIOL):
         **kwargs: Any,
     ) -> None:
         super().__init__()
+        check_positive_ints(in_features=in_features, out_features=out_features)
         self.in_features, self.out_features = int(in_features), int(out_features)
         self._init_params((out_features, in_features), in_features, out_features, bias, key)
         self._init_quant(
@@ -73,6 +74,13 @@ class QuantLinear(QuantWBIOL):
         )
 
     _out_channel_dim = -1
+
+    def _check_shape(self, x: Any) -> None:
+        if x.ndim < 1 or x.shape[-1] != self.in_features:
+            raise ValueError(
+                f"QuantLinear expects input of shape (..., {self.in_features}) "
+                f"(in_features={self.in_features}), got {tuple(x.shape)}"
+            )
 
     def _float_op(self, x: Any, w: Any) -> Any:
         return jnp.matmul(x, w.T)

@@ -13,7 +13,7 @@ from typing import Any
 
 from qtorchlike import functional as F
 from qtorchlike.nn.module import Module
-from qtorchlike.nn.quant_layer import act_proxy, split_kwargs
+from qtorchlike.nn.quant_layer import act_proxy, check_bool, split_kwargs
 from qtorchlike.quant import Int8ActPerTensorFloat
 from qtorchlike.quant_tensor import QuantTensor
 
@@ -28,7 +28,7 @@ class _QuantMerge(Module):
         groups = split_kwargs(type(self).__name__, kwargs, ("input_", "output_"))
         self.input_quant = act_proxy(input_quant, groups["input_"], "input_quant")
         self.output_quant = act_proxy(output_quant, groups["output_"], "output_quant")
-        self.return_quant_tensor = bool(return_quant_tensor)
+        self.return_quant_tensor = check_bool("return_quant_tensor", return_quant_tensor)
 
     def _quant_input(self, x: Any) -> Any:
         return self.input_quant(x) if self.input_quant is not None else x

@@ -35,6 +35,7 @@ Example:
 from __future__ import annotations
 
 import itertools
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -135,6 +136,10 @@ class Module:
         elif isinstance(value, Module):
             _forget(d, name)
             modules[name] = value
+            # Remembered for error messages (the first live owner of a shared module).
+            owner = value.__dict__.get("_owner")
+            if owner is None or owner[0]() is None:
+                value.__dict__["_owner"] = (weakref.ref(self), name)
         elif name in params:
             if value is None:
                 raise TypeError(
@@ -318,6 +323,11 @@ class Module:
         ``_after_load(loaded_names)`` runs (quantizers use it to re-initialise
         scales from new weights, see :data:`qtorchlike.config.REINIT_ON_STATE_DICT_LOAD`).
 
+        Non-finite values (NaN, inf) load as they are, as in PyTorch; the weight
+        quantizer that quantizes them raises a ValueError naming the parameter. A
+        quantizer whose learned scale is re-initialised from the loaded weights
+        does so during the load, so there the load fails and loads nothing.
+
         Args:
             state_dict: Arrays (JAX, NumPy or anything ``jnp.asarray`` takes) by name.
             strict: Require exactly the model's keys. Missing quantizer keys
@@ -329,10 +339,22 @@ class Module:
             The missing and unexpected keys.
 
         Raises:
+            TypeError: ``state_dict`` is not a mapping, ``strict`` not a bool, or a
+                value is not an array of numbers (a string, None, a dict...); the
+                message names the key and the value's type.
             KeyError: Missing or unexpected keys under ``strict=True``; the message
                 lists them and the nearest names the model has.
-            ValueError: A shape differs from the model's; the message names the key.
+            ValueError: A shape differs from the model's (the message names the key
+                and both shapes), or re-initialising a scale from the loaded weights
+                failed (non-finite weights).
         """
+        if not isinstance(state_dict, Mapping):
+            raise TypeError(
+                f"load_state_dict(state_dict={type(state_dict).__name__}): state_dict must be a "
+                "mapping of dotted names to arrays (e.g. model.state_dict())"
+            )
+        if not isinstance(strict, bool):
+            raise TypeError(f"load_state_dict(strict={strict!r}): strict must be True or False")
         own = self.state_dict()
         missing = [k for k in own if k not in state_dict]
         unexpected = [k for k in state_dict if k not in own]
@@ -342,23 +364,20 @@ class Module:
             required = [k for k in missing if not _is_quantizer_state(self, k)]
         if strict and (unexpected or required):
             raise KeyError(_key_error(required, unexpected, list(own)))
-        new: dict[str, jax.Array] = {}
-        for key, value in state_dict.items():
-            if key not in own:
-                continue
-            arr = jnp.asarray(np.asarray(value) if not isinstance(value, jax.Array) else value)
-            if arr.shape != own[key].shape:
-                raise ValueError(
-                    f"load_state_dict: {key!r} has shape {arr.shape} in the checkpoint but "
-                    f"{own[key].shape} in the model; nothing was loaded"
-                )
-            new[key] = arr.astype(own[key].dtype)
+        new = {k: _loadable(k, v, own[k]) for k, v in state_dict.items() if k in own}
         set_state(self, new)
-        for prefix, module in self.named_modules():
-            hook = getattr(module, "_after_load", None)
-            if hook is not None:
-                mine = {k[len(prefix) + 1 :] if prefix else k for k in new if _under(k, prefix)}
-                hook(mine)
+        try:
+            for prefix, module in self.named_modules():
+                hook = getattr(module, "_after_load", None)
+                if hook is not None:
+                    mine = {k[len(prefix) + 1 :] if prefix else k for k in new if _under(k, prefix)}
+                    hook(mine)
+        except ValueError as e:
+            set_state(self, own)  # the hooks may have re-initialised scales: undo all
+            raise ValueError(f"load_state_dict: {e}; nothing was loaded") from e
+        except BaseException:
+            set_state(self, own)
+            raise
         return IncompatibleKeys(missing, unexpected)
 
     # -- printing ---------------------------------------------------------------------------
@@ -380,6 +399,52 @@ def _forget(d: dict, name: str) -> None:
     for store in ("_parameters", "_buffers", "_modules"):
         d[store].pop(name, None)
     d.pop(name, None)
+
+
+def _loadable(key: str, value: Any, current: jax.Array) -> jax.Array:
+    """``value`` as an array of ``current``'s shape and dtype, or a clear error naming ``key``."""
+    arr = value
+    if not isinstance(value, jax.Array):
+        try:
+            arr = np.asarray(value)
+        except (TypeError, ValueError):  # ragged lists and the like
+            arr = np.asarray(None)
+    kind = np.dtype(arr.dtype).kind
+    allowed_kinds = "biufc" if np.dtype(current.dtype).kind == "c" else "biuf"
+    if kind not in allowed_kinds:
+        what = type(value).__name__
+        if isinstance(value, np.ndarray | jax.Array) or kind != "O":
+            what += f" of dtype {arr.dtype}"
+        raise TypeError(
+            f"load_state_dict: {key!r} has type {what}; allowed: an array of numbers (jax.Array, "
+            f"numpy.ndarray or nested lists) of shape {tuple(current.shape)} that converts to "
+            f"the model's {current.dtype}; nothing was loaded"
+        )
+    if arr.shape != current.shape:
+        raise ValueError(
+            f"load_state_dict: {key!r} has shape {tuple(arr.shape)} in the checkpoint but "
+            f"{tuple(current.shape)} in the model; nothing was loaded"
+        )
+    return jnp.asarray(arr).astype(current.dtype)
+
+
+def path_of(module: Module) -> str:
+    """The dotted name under which ``module`` was first assigned, from its outermost owner.
+
+    Used in error messages (``"0.act_quant"``); ``""`` for a module that was never
+    assigned to another.
+    """
+    parts: list[str] = []
+    seen: set[int] = set()
+    while id(module) not in seen:
+        seen.add(id(module))
+        ref, name = module.__dict__.get("_owner", (None, ""))
+        parent = ref() if ref is not None else None
+        if parent is None or parent._modules.get(name) is not module:
+            break
+        parts.append(name)
+        module = parent
+    return ".".join(reversed(parts))
 
 
 def _is_quantizer_state(model: Module, key: str) -> bool:

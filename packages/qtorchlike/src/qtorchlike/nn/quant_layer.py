@@ -11,17 +11,19 @@ keyword that matches no prefix is an error (Brevitas ignores it silently).
 
 from __future__ import annotations
 
+import difflib
 import math
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from qtorchlike import inject, random
 from qtorchlike.nn.module import Module, Parameter
 from qtorchlike.proxy import ActQuantProxy, BiasQuantProxy, WeightQuantProxy, _Proxy, is_quant
 from qtorchlike.quant_tensor import QuantTensor
-from qtorchlike.solver import QuantSpec
+from qtorchlike.solver import ATTRIBUTES, QuantSpec
 
 
 def kaiming_uniform(key: jax.Array, shape: tuple[int, ...], fan_in: int) -> jax.Array:
@@ -53,7 +55,38 @@ def split_kwargs(
     return out
 
 
+def _known(quant: type | None) -> set[str]:
+    """Attribute names an override may set: the solver's, the quantizer's, its @value inputs."""
+    names = set(ATTRIBUTES)
+    if quant is not None:
+        for name in inject._public_names(quant):
+            names.add(name)
+            raw = inject._raw(quant, name)
+            if isinstance(raw, inject._Value):
+                names.update(p.name for p in raw.params)
+    return names
+
+
+def _check_overrides(quant: type | None, overrides: dict[str, Any], arg: str) -> None:
+    known = _known(quant)
+    unknown = sorted(set(overrides) - known)
+    if not unknown:
+        return
+    name = unknown[0]
+    prefix = "" if arg == "act_quant" else arg.removesuffix("quant")
+    near = difflib.get_close_matches(name, sorted(known), n=2)
+    hint = f"did you mean {' or '.join(repr(n) for n in near)}? " if near else ""
+    what = f"{arg}={quant.__name__}" if quant is not None else f"an inline {arg}"
+    raise TypeError(
+        f"unexpected keyword argument {prefix + name!r}: {what} has no attribute {name!r}; "
+        f"{hint}allowed: {prefix}<attribute> with an attribute of the quantizer or one of "
+        f"{sorted(ATTRIBUTES)}"
+    )
+
+
 def _injector(quant: Any, overrides: dict[str, Any], arg: str) -> type | None:
+    if quant is None or (isinstance(quant, type) and issubclass(quant, inject.ExtendedInjector)):
+        _check_overrides(quant, overrides, arg)
     if quant is None:
         # A quantizer defined inline by prefixed keywords is named after its argument.
         return type(arg, (inject.ExtendedInjector,), dict(overrides)) if overrides else None
@@ -140,6 +173,51 @@ def apply_output(layer: Any, y: Any) -> Any:
     return y.value if isinstance(y, QuantTensor) else y
 
 
+def check_bool(name: str, value: Any) -> bool:
+    """``value`` if it is a bool (NumPy's included), else a TypeError naming ``name``."""
+    if not isinstance(value, bool | np.bool_):
+        raise TypeError(f"{name}={value!r} must be True or False")
+    return bool(value)
+
+
+def check_positive_ints(**named: Any) -> None:
+    """Each value is a positive int (not a bool), else a ValueError naming it."""
+    for name, v in named.items():
+        if isinstance(v, bool) or not isinstance(v, int | np.integer) or v < 1:
+            raise ValueError(f"{name}={v!r} must be a positive int")
+
+
+def check_key(key: Any) -> jax.Array:
+    """A JAX PRNG key (``jax.random.key(0)`` or ``jax.random.PRNGKey(0)``), else a TypeError."""
+    try:
+        jax.random.split(key)
+    except (TypeError, ValueError) as e:
+        raise TypeError(
+            f"key={key!r} must be a JAX PRNG key, e.g. jax.random.key(0) or jax.random.PRNGKey(0)"
+        ) from e
+    return key
+
+
+def check_input(layer: Module, x: Any) -> Any:
+    """``x`` (a QuantTensor) or ``x`` as a floating-point array; else a TypeError naming it."""
+    if isinstance(x, QuantTensor):
+        return x
+    name = type(layer).__name__
+    try:
+        arr = x if isinstance(x, jax.Array) else jnp.asarray(x)
+    except (TypeError, ValueError) as e:
+        raise TypeError(
+            f"{name} got an input of type {type(x).__name__}; allowed: a floating-point "
+            "array (jax.Array, numpy.ndarray) or a QuantTensor"
+        ) from e
+    if not jnp.issubdtype(arr.dtype, jnp.floating):
+        raise TypeError(
+            f"{name} got an input of dtype {arr.dtype}; allowed: a floating-point array "
+            "(e.g. float32) or a QuantTensor"
+        )
+    return arr
+
+
 def fan_in(weight_shape: tuple[int, ...], in_axis: int = 1) -> int:
     """Inputs summed per output: the input channels times the kernel size."""
     spatial = weight_shape[2:]
@@ -163,7 +241,8 @@ class QuantWBIOL(Module):
         self, shape: tuple[int, ...], fan_in: int, n_out: int, bias: bool, key: jax.Array | None
     ) -> None:
         """PyTorch's initial ``weight`` of ``shape`` and, with ``bias``, ``n_out`` biases."""
-        kw, kb = jax.random.split(random.next_key() if key is None else key)
+        check_bool("bias", bias)
+        kw, kb = jax.random.split(random.next_key() if key is None else check_key(key))
         self.weight = Parameter(kaiming_uniform(kw, shape, fan_in))
         if bias:
             self.bias = Parameter(kaiming_uniform(kb, (n_out,), fan_in))
@@ -188,13 +267,16 @@ class QuantWBIOL(Module):
         self.bias_quant = bias_proxy(bias_quant, groups["bias_"])
         self.input_quant = act_proxy(input_quant, groups["input_"], "input_quant")
         self.output_quant = act_proxy(output_quant, groups["output_"], "output_quant")
-        self.return_quant_tensor = bool(return_quant_tensor)
+        self.return_quant_tensor = check_bool("return_quant_tensor", return_quant_tensor)
 
     def quant_weight(self) -> Any:
         """The weight as this layer uses it: a QuantTensor, or the float weight."""
         if self.weight_quant is None:
             return self.weight
         return self.weight_quant(self.weight, self._channel_axis, self._input_axis)
+
+    def _check_shape(self, x: Any) -> None:
+        """Raises ValueError if ``x`` (an array) has a shape this layer cannot take."""
 
     def _float_op(self, x: Any, w: Any) -> Any:
         raise NotImplementedError
@@ -216,12 +298,21 @@ class QuantWBIOL(Module):
         return tuple(shape)
 
     def forward(self, x: Any) -> Any:
-        """Quantizes input and weight, computes, adds the (quantized) bias, quantizes output."""
+        """Quantizes input and weight, computes, adds the (quantized) bias, quantizes output.
+
+        Raises:
+            TypeError: If ``x`` is neither a floating-point array nor a QuantTensor.
+            ValueError: If ``x``'s shape does not fit the layer, or a concrete weight
+                or bias holds NaN or ±inf (the message names the parameter).
+        """
+        x = check_input(self, x)
+        self._check_shape(x.value if isinstance(x, QuantTensor) else x)
         xq = self.input_quant(x) if self.input_quant is not None else x
         wq = self.quant_weight()
         both = isinstance(xq, QuantTensor) and isinstance(wq, QuantTensor)
         y = None
-        if both and not self.training and self._integer_operands():
+        if both and not self.training and self._integer_operands() and _finite(xq.scale):
+            # A NaN scale (a non-finite input block) takes the float path, which is NaN there.
             y = self._int_op(xq, wq)
         if y is None:
             xv = xq.value if isinstance(xq, QuantTensor) else jnp.asarray(xq)
@@ -257,6 +348,14 @@ class QuantWBIOL(Module):
             signed = bool(xq.signed or wq.signed)
             y = QuantTensor(y, scale, zp, bits, signed, self.training)
         return apply_output(self, y)
+
+
+def _finite(scale: Any) -> bool:
+    """Whether a concrete scale is finite everywhere (True under tracing)."""
+    try:
+        return bool(jnp.all(jnp.isfinite(scale)))
+    except jax.errors.ConcretizationTypeError:
+        return True
 
 
 def _zero_point_free(q: QuantTensor) -> bool:
