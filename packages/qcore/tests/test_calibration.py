@@ -88,36 +88,38 @@ def test_mse_asymmetric():
     assert np.all(_error(x, lo, hi, qt, symmetric=False) <= e_mm * (1 + 1e-6))
 
 
-@pytest.mark.parametrize("cal", ["absmax", "minmax", "rms,3", "percentile,99", "mse"])
-def test_non_finite_values_are_ignored(cal):
+@pytest.mark.parametrize(
+    "cal", ["absmax", "minmax", "rms,3", "percentile,99", "mse", "fixed,-1,1", "absmax,0.5"]
+)
+def test_a_block_holding_a_non_finite_value_gets_a_nan_range(cal):
+    # The NaN/Inf policy: rows 1-3 hold inf, -inf, NaN; rows 0, 4, 5 are finite and
+    # get the range they get on their own.
     x = X.copy()
-    x[:, 3] = np.inf
-    x[:, 4] = -np.inf
-    x[:, 5] = np.nan
-    clean = np.delete(X, [3, 4, 5], axis=1)
+    x[1, 3] = np.inf
+    x[2, 4] = -np.inf
+    x[3, 5] = np.nan
     lo, hi = run(cal, x)
-    lo_ref, hi_ref = run(cal, clean)
-    assert np.all(np.isfinite(lo)) and np.all(np.isfinite(hi))
-    if cal in ("absmax", "minmax", "rms,3"):
-        # Non-finite values drop out (rms: as if absent).
-        np.testing.assert_allclose(hi, hi_ref, rtol=1e-5)
+    assert np.isnan(lo[1:4]).all() and np.isnan(hi[1:4]).all()
+    lo_ref, hi_ref = run(cal, X[[0, 4, 5]])
+    np.testing.assert_array_equal(lo[[0, 4, 5]], lo_ref)
+    np.testing.assert_array_equal(hi[[0, 4, 5]], hi_ref)
 
 
 @pytest.mark.parametrize("cal", ["absmax", "minmax"])
-def test_non_finite_values_ignored_under_jit_and_vmap(cal):
-    # absmax/minmax reduce plainly and redo the reduction with non-finite values
-    # masked only when the plain result is not finite (a lax.cond; under vmap, a
-    # select of both): every path must equal the float64 range of the finite values.
+def test_non_finite_blocks_under_jit_and_vmap(cal):
+    # Every path must give the float64 range of finite blocks and NaN for the others.
     x = np.stack([X, X.copy(), X.copy()])
     x[1, :, 3] = np.inf
     x[2, 2, 0] = np.nan
-    finite = np.where(np.isfinite(x), x, 0.0).astype(np.float64)
+    x64 = x.astype(np.float64)
     if cal == "absmax":
-        hi_ref = np.max(np.abs(finite), axis=2, keepdims=True)
+        hi_ref = np.max(np.abs(x64), axis=2, keepdims=True)
         lo_ref = -hi_ref
     else:
-        lo_ref = np.minimum(finite.min(axis=2, keepdims=True), 0.0)
-        hi_ref = np.maximum(finite.max(axis=2, keepdims=True), 0.0)
+        lo_ref = np.minimum(x64.min(axis=2, keepdims=True), 0.0)
+        hi_ref = np.maximum(x64.max(axis=2, keepdims=True), 0.0)
+    bad = ~np.isfinite(x).all(axis=2, keepdims=True)
+    lo_ref[bad], hi_ref[bad] = np.nan, np.nan
     c = calibration.parse(cal)
     qt = qtypes.get("int8")
     one = jax.jit(lambda v: c(v, (1,), qtype=qt, symmetric=cal == "absmax"))
@@ -127,11 +129,11 @@ def test_non_finite_values_ignored_under_jit_and_vmap(cal):
         np.testing.assert_array_equal(hi, hi_ref)
 
 
-def test_all_nan_block_gives_zero_range():
+def test_all_nan_block_gives_a_nan_range():
     x = np.full((2, 8), np.nan, np.float32)
-    for cal in ("absmax", "rms,2", "percentile,99", "mse"):
+    for cal in ("absmax", "minmax", "rms,2", "percentile,99", "mse"):
         lo, hi = run(cal, x)
-        np.testing.assert_array_equal(hi, 0.0)
+        assert np.isnan(lo).all() and np.isnan(hi).all(), cal
 
 
 def test_mse_string_arguments():

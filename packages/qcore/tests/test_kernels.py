@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import qcore
+from qcore import QArray, qtypes
 from qcore.ops import kernels
 
 K, N = 512, 256
@@ -120,6 +121,8 @@ def test_packed_int4_with_short_or_odd_contractions_is_exact(k, tile, m):
 EXPLICIT_SHARDING = """
 import jax, jax.numpy as jnp, numpy as np
 import qcore
+from qcore import QArray
+from qcore import qtypes
 from qcore.ops import kernels
 from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -182,3 +185,139 @@ def test_weight_only_products_with_many_rows_run_one_float_dot(name):
     few = many[:1, :8]
     few_dots = _dots(lambda x, q: qcore.dot_general(x, q, dims), few, q)
     assert few_dots and all((K, N) not in [tuple(v.aval.shape) for v in d.invars] for d in few_dots)
+
+
+# -- every product path at sizes that are not multiples of the kernels' blocks -----------
+# Rows M cover each branch of the kernels (1, <= 16, > 16) and the weight-only dequantize
+# path (>= 32 rows); K and N are off every block size; N cycles with M. Operands are built
+# from random codes and scales in numpy (the reference is their float64 value); float
+# activations hold a NaN (row 1) and an inf (row 2). One jit per K, compiled without
+# costly optimisations, runs every case.
+ROWS, COLS = (1, 2, 3, 31, 33), (1, 3, 5)
+F32_EPS = float(np.finfo(np.float32).eps)
+
+
+def _tile(k, even=False):
+    """The longest tile that splits K into several tiles (an even one if asked), or None."""
+    return next((t for t in range(k // 2, 1, -1) if k % t == 0 and not (even and t % 2)), None)
+
+
+def _expand(a, shape):
+    """A scale-shaped array repeated up to ``shape``."""
+    for axis, d in enumerate(shape):
+        a = np.repeat(a, d // a.shape[axis], axis)
+    return a
+
+
+def _qarray(rng, shape, spec):
+    """A QArray of random codes, scales (and zero points) and its float64 value.
+
+    ``spec`` is ``(qtype, tiles, asymmetric)``: ``tiles[i]`` elements along axis i
+    share a scale (``None``: the whole axis).
+    """
+    qtype, tiles, asymmetric = spec
+    qt = qtypes.get(qtype)
+    sshape = tuple(d // (d if t is None else t) for d, t in zip(shape, tiles, strict=True))
+    scale = rng.uniform(0.01, 0.1, sshape).astype(np.float32)
+    zp = rng.integers(0, 256, sshape).astype(np.uint8) if asymmetric else None
+    if qt.codebook:
+        codes = rng.integers(0, len(qt.codebook), shape).astype(np.uint8)
+        values = np.asarray(qt.codebook, np.float64)[codes]
+    else:
+        codes = rng.integers(qt.qmin, qt.qmax + 1, shape).astype(qt.storage_dtype)
+        values = codes.astype(np.float64)
+    if zp is not None:
+        values = values - _expand(zp, shape)
+    return QArray(codes, scale, zp, qtype=qtype), values * _expand(scale, shape)
+
+
+def _path_cases(k):
+    """id -> (activation spec, weight spec, layout, pack the weight?, kernel applies?).
+
+    Specs are those of :func:`_qarray` for (rows, K) activations and (K, N) weights;
+    a None activation is float. Layout "nk" stores the weight transposed. The kernels,
+    which depend on the layout, are tried in both; the general paths in "kn".
+    """
+    row, col = ("int8", (1, None), False), ("int8", (None, 1), False)
+    cases = {}
+    for layout in ("kn", "nk"):
+        cases[f"int8 {layout}"] = (None, col, layout, False, True)
+        cases[f"w8a8 {layout}"] = (row, col, layout, False, True)
+        cases[f"int4 packed {layout}"] = (
+            None,
+            ("int4", (None, 1), False),
+            layout,
+            True,
+            k % 2 == 0,
+        )
+        tile = _tile(k, even=True)
+        if tile is not None:  # sub-channel scales: the grouped int4 kernels
+            grouped = ("int4", (tile, 1), False)
+            cases[f"int4 packed tile {tile} {layout}"] = (None, grouped, layout, True, True)
+    cases["nf4 packed"] = (None, ("nf4", (None, 1), False), "kn", True, False)
+    cases["uint8 asymmetric x int8"] = (("uint8", (1, None), True), col, "kn", False, False)
+    tile = _tile(k)
+    if tile is not None:  # the grouped general path: weight-only, float and int8 x int8
+        cases[f"int8 tile {tile}"] = (None, ("int8", (tile, 1), False), "kn", False, False)
+        cases[f"nf4 tile {tile}"] = (None, ("nf4", (tile, 1), False), "kn", False, False)
+        tiled = (("int8", (1, tile), False), ("int8", (tile, 1), False))
+        cases[f"w8a8 tile {tile}"] = (*tiled, "kn", False, False)
+    return cases
+
+
+@pytest.mark.parametrize("k", [1, 7, 8, 15, 17, 100])
+def test_every_product_path_is_exact_for_sizes_off_the_kernel_blocks(k):
+    cases = _path_cases(k)
+    rng = np.random.default_rng(k)
+    shapes = [(m, COLS[(i + k) % len(COLS)]) for i, m in enumerate(ROWS)]
+    operands, values = {}, {}
+    for name, (spec_x, spec_w, layout, _, _) in cases.items():
+        for m, n in shapes:
+            w, w64 = _qarray(rng, (k, n), spec_w)
+            if layout == "nk":
+                w = QArray(w.qvalue.T, w.scale.T, qtype=w.qtype)
+            if spec_x is None:
+                x = rng.standard_normal((m, k)).astype(np.float32)
+                x[1:2, k // 2] = np.nan  # row 1, if any
+                x[2:3, 0] = np.inf  # row 2, if any
+                x64 = x.astype(np.float64)
+            else:
+                x, x64 = _qarray(rng, (m, k), spec_x)
+            operands[name, m], values[name, m] = (x, w), (x64, w64)
+    taken = {}
+
+    def run(operands):
+        out = {}
+        for (name, m), (x, w) in operands.items():
+            layout, packed = cases[name][2:4]
+            k_axis = 0 if layout == "kn" else 1
+            w = qcore.pack(w, axis=k_axis) if packed else w
+            dims = (((1,), (k_axis,)), ((), ()))
+            out[name, m] = [qcore.dot_general(x, w, dims)]
+            fast = kernels.fast_dot_general(x, w, dims, None)
+            taken[name, m] = fast is not None
+            if fast is not None and m >= 32:  # the op dequantizes (weight-only): the kernel too
+                out[name, m].append(fast)
+        return out
+
+    options = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+    out = jax.jit(run).lower(operands).compile(compiler_options=options)(operands)
+    for (name, m), ys in out.items():
+        assert taken[name, m] == cases[name][4], (name, m)
+        x64, w64 = values[name, m]
+        finite_rows = np.isfinite(x64).all(1, keepdims=True)
+        x64 = np.where(finite_rows, x64, 0.0)
+        ref = x64 @ w64
+        # float32 rounding of K products and their sum; the kernels' 23-bit activation
+        # digits err by at most 2**-23 of the row's largest value.
+        bound = np.max(np.abs(x64), 1, keepdims=True) * np.sum(np.abs(w64), 0)
+        bound *= (k + 4) * F32_EPS
+        for y in ys:
+            assert y.shape == ref.shape
+            y = np.asarray(y, np.float64)
+            # A NaN or inf activation makes its whole output row non-finite, as in float
+            # (where a zero weight times inf gives NaN); the other rows stay exact.
+            finite = np.broadcast_to(finite_rows, y.shape)
+            np.testing.assert_array_equal(np.isfinite(y), finite, f"{name}, M={m}")
+            err = np.abs(y - ref)[finite]
+            assert np.all(err <= bound[finite]), (name, m, float(np.max(err / bound[finite])))

@@ -95,14 +95,19 @@ def test_float_encode_matches_ml_dtypes_cast():
         np.testing.assert_array_equal(got, ref)
 
 
-def test_scale_from_range_degenerate_ranges_give_scale_one():
-    lo = jnp.array([0.0, -jnp.inf, jnp.nan, -1e-45, -2.0])
-    hi = jnp.array([0.0, jnp.inf, jnp.nan, 1e-45, 2.0])
+def test_scale_from_range_degenerate_and_non_finite_ranges():
+    # Zero width: scale 1. Non-finite ends: NaN (the NaN/Inf policy). A width whose
+    # scale would be subnormal (2e-38 / 127.5): the smallest normal float32, which
+    # still covers it (2e-38 / tiny < 127.5).
+    tiny = float(np.finfo(np.float32).tiny)
+    lo = jnp.array([0.0, -jnp.inf, jnp.nan, -2e-38, -2.0, -1.0])
+    hi = jnp.array([0.0, jnp.inf, jnp.nan, 2e-38, 2.0, jnp.inf])
     scale, zp = numerics.scale_from_range(lo, hi, qtypes.get("int8"))
     assert zp is None
-    np.testing.assert_allclose(scale, [1, 1, 1, 1, 2 / 127.5])
+    np.testing.assert_allclose(scale, [1, np.nan, np.nan, tiny, 2 / 127.5, np.nan], rtol=1e-7)
     scale, zp = numerics.scale_from_range(lo, hi, qtypes.get("uint8"), symmetric=False)
-    assert np.all(np.isfinite(scale)) and np.all(np.isfinite(zp))
+    np.testing.assert_allclose(scale, [1, np.nan, np.nan, tiny, 4 / 255, np.nan], rtol=1e-7)
+    np.testing.assert_array_equal(np.isnan(zp), [0, 1, 1, 0, 0, 1])
 
 
 def test_asymmetric_zero_point_closed_form():

@@ -190,6 +190,55 @@ def test_conv_matches_lax_on_dequantized_operands(name):
             assert (INT8_INTO_INT32 in convs) == scaled, convs
 
 
+# Argument forms lax.conv_general_dilated accepts besides tuples of Python ints, as
+# flax's ConvTranspose and NumPy-computed shapes produce them. id -> (given, canonical)
+I64 = np.int64
+CONV_FORMS = {
+    "NumPy-integer padding pairs and lhs_dilation (ConvTranspose)": (
+        dict(padding=((I64(2), I64(1)), (I64(1), I64(2))), lhs_dilation=(I64(2), I64(2))),
+        dict(padding=((2, 1), (1, 2)), lhs_dilation=(2, 2)),
+    ),
+    "padding as a NumPy array": (
+        dict(padding=np.array([[1, 0], [2, 1]], np.int32)),
+        dict(padding=((1, 0), (2, 1))),
+    ),
+    "padding as lists, negative": (
+        dict(padding=[[0, -1], [1, 1]]),
+        dict(padding=((0, -1), (1, 1))),
+    ),
+    "lower-case padding name": (dict(padding="same_lower"), dict(padding="SAME_LOWER")),
+    "strides as a NumPy array": (
+        dict(window_strides=np.array([2, 1])),
+        dict(window_strides=(2, 1)),
+    ),
+    "NumPy-integer strides, list rhs_dilation": (
+        dict(window_strides=(I64(1), np.int32(2)), rhs_dilation=[2, 1]),
+        dict(window_strides=(1, 2), rhs_dilation=(2, 1)),
+    ),
+    "NumPy-integer feature_group_count": (
+        dict(feature_group_count=I64(2), batch_group_count=np.int32(1)),
+        dict(feature_group_count=2, batch_group_count=1),
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(CONV_FORMS))
+def test_conv_accepts_every_argument_form_lax_accepts(name):
+    given, canonical = CONV_FORMS[name]
+    groups = canonical.get("feature_group_count", 1)
+    x, k = normal((2, 7, 7, 4), 3, shift=0.5), normal((3, 3, 4 // groups, 6), 4)
+    base = dict(window_strides=(1, 1), padding="VALID", dimension_numbers=NHWC)
+    kq = quantize(k, kernel(3))
+    y = qcore.conv_general_dilated(x, kq, **{**base, **given})
+    ref = lax.conv_general_dilated(x, dequantize(kq), precision=HIGHEST, **{**base, **canonical})
+    assert y.shape == ref.shape
+    assert testing.max_rel_error(y, ref) <= 1e-5
+    # Plain float operands go straight to lax, with the same forms.
+    y = qcore.conv_general_dilated(x, k, precision=HIGHEST, **{**base, **given})
+    ref = lax.conv_general_dilated(x, k, precision=HIGHEST, **{**base, **canonical})
+    np.testing.assert_array_equal(y, ref)
+
+
 # -- 6. ragged_dot ------------------------------------------------------------------------------
 
 M, K, G, N = 10, 32, 3, 8

@@ -2,9 +2,13 @@
 
 A calibrator is a callable ``calibrator(x, axes, *, qtype, symmetric,
 narrow_range) -> (lo, hi)`` that reduces ``x`` over ``axes`` (keeping them as
-size-1 dims) and returns float32 range ends. Calibrators ignore ``NaN`` and
-``±inf`` values. Built-ins are frozen dataclasses, so they are hashable and can
-sit inside static quantization specs.
+size-1 dims) and returns float32 range ends. A block (the values reduced into one
+range) that holds a ``NaN`` or ``±inf`` gets ``lo = hi = NaN``, so its scale is
+``NaN`` and it dequantizes to ``NaN`` (the NaN/Inf policy of ``docs/concepts.md``);
+finite blocks get finite ranges, also for values near float32's maximum.
+:func:`qcore.calibrate` applies the same rule to the result of a calibrator that
+is not one of the built-ins. Built-ins are frozen dataclasses, so they are
+hashable and can sit inside static quantization specs.
 
 Strings are parsed only at the edges by :func:`parse`::
 
@@ -26,7 +30,7 @@ Example:
     >>> x = jnp.array([[-4.0, 1.0], [2.0, jnp.inf]])
     >>> lo, hi = parse("absmax,0.5")(x, (1,), qtype=qtypes.get("int8"), symmetric=True)
     >>> hi.ravel().tolist()
-    [2.0, 1.0]
+    [2.0, nan]
     >>> parse("percentile,101")
     Traceback (most recent call last):
     ...
@@ -36,6 +40,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -64,35 +69,47 @@ class Calibrator(Protocol):
         ...
 
 
-def _finite(x: jax.Array, fill: float) -> jax.Array:
-    x = jnp.asarray(x, jnp.float32)
-    return jnp.where(jnp.isfinite(x), x, jnp.full_like(x, fill))
+_MAX = numerics._MAX
 
 
-def _reduce_finite(x: jax.Array, reduce) -> jax.Array:
-    """``reduce(x)`` with non-finite values counted as 0, for a max/min ``reduce``.
-
-    A max or min of finite values is finite and any NaN or inf reaches it, so the
-    plain reduction is checked first and the masked one runs only when it is
-    not finite: the mask (an extra select per element) halved XLA:CPU's speed.
-    """
-    x = jnp.asarray(x, jnp.float32)
-    fast = reduce(x)
-    if x.size == 0:
-        return fast
-    return jax.lax.cond(jnp.all(jnp.isfinite(fast)), lambda: fast, lambda: reduce(_finite(x, 0.0)))
+def _nan_where(bad: jax.Array, lo: jax.Array, hi: jax.Array) -> tuple[jax.Array, jax.Array]:
+    nan = jnp.float32(jnp.nan)
+    return jnp.where(bad, nan, lo), jnp.where(bad, nan, hi)
 
 
 def _absmax(x: jax.Array, axes: Axes) -> jax.Array:
-    axes = tuple(axes)
-    return _reduce_finite(x, lambda v: jnp.max(jnp.abs(v), axis=axes, keepdims=True, initial=0.0))
+    """``max |x|`` per block; ``NaN`` for a block holding ``NaN`` or ``±inf``.
+
+    The max already sees every value (``NaN`` and ``inf`` both reach it), so the
+    rule costs no extra pass over ``x``.
+    """
+    x = jnp.asarray(x, jnp.float32)
+    m = jnp.max(jnp.abs(x), axis=tuple(axes), keepdims=True, initial=0.0)
+    return jnp.where(m <= _MAX, m, jnp.float32(jnp.nan))
 
 
 def _minmax(x: jax.Array, axes: Axes) -> tuple[jax.Array, jax.Array]:
+    """``[min(x, 0), max(x, 0)]`` per block; ``NaN`` for a non-finite block."""
+    x = jnp.asarray(x, jnp.float32)
     axes = tuple(axes)
-    lo = _reduce_finite(x, lambda v: jnp.min(v, axis=axes, keepdims=True, initial=0.0))
-    hi = _reduce_finite(x, lambda v: jnp.max(v, axis=axes, keepdims=True, initial=0.0))
-    return lo, hi
+    lo = jnp.min(x, axis=axes, keepdims=True, initial=0.0)
+    hi = jnp.max(x, axis=axes, keepdims=True, initial=0.0)
+    return _nan_where(~(jnp.isfinite(lo) & jnp.isfinite(hi)), lo, hi)
+
+
+def _all_finite(x: jax.Array, axes: Axes) -> jax.Array:
+    return jnp.all(jnp.isfinite(x), axis=tuple(axes), keepdims=True)
+
+
+def _normalized_mean(fn, x: jax.Array, axes: Axes) -> tuple[jax.Array, jax.Array]:
+    """``(m, mean(fn(x / m)))`` per block with ``m = max|x|`` (``NaN`` if not finite).
+
+    Dividing by the block's max first keeps ``mean(x²)`` and ``mean(|x|)`` finite
+    for values near float32's maximum.
+    """
+    m = _absmax(x, axes)
+    safe = jnp.where(m > 0, m, jnp.float32(1.0))
+    return m, jnp.mean(fn(numerics.divide(x, safe)), axis=tuple(axes), keepdims=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,7 +119,7 @@ class AbsMax:
     clip: float = 1.0
 
     def __call__(self, x, axes, *, qtype, symmetric=True, narrow_range=False):  # noqa: D102
-        m = _absmax(x, axes) * self.clip
+        m = jnp.minimum(_absmax(x, axes) * self.clip, _MAX)
         return -m, m
 
 
@@ -116,14 +133,13 @@ class MinMax:
 
 @dataclasses.dataclass(frozen=True)
 class Rms:
-    """``±k · sqrt(mean(x²))`` over the finite values."""
+    """``±k · sqrt(mean(x²))``, computed without overflow (``x`` is divided by its max)."""
 
     k: float
 
     def __call__(self, x, axes, *, qtype, symmetric=True, narrow_range=False):  # noqa: D102
-        xf = _finite(x, jnp.nan)
-        r = jnp.sqrt(jnp.nanmean(jnp.square(xf), axis=tuple(axes), keepdims=True))
-        r = jnp.where(jnp.isnan(r), 0.0, r) * self.k
+        m, ms = _normalized_mean(jnp.square, x, axes)
+        r = jnp.minimum(m * jnp.sqrt(ms) * self.k, _MAX)
         return -r, r
 
 
@@ -135,8 +151,9 @@ class Fixed:
     hi: float
 
     def __call__(self, x, axes, *, qtype, symmetric=True, narrow_range=False):  # noqa: D102
-        shape = tuple(1 if i in _normalize(axes, x.ndim) else d for i, d in enumerate(x.shape))
-        return jnp.full(shape, self.lo, jnp.float32), jnp.full(shape, self.hi, jnp.float32)
+        ok = _all_finite(x, _normalize(axes, x.ndim))
+        lo, hi = (jnp.full(ok.shape, v, jnp.float32) for v in (self.lo, self.hi))
+        return _nan_where(~ok, lo, hi)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,16 +163,15 @@ class Percentile:
     q: float
 
     def __call__(self, x, axes, *, qtype, symmetric=True, narrow_range=False):  # noqa: D102
-        flat, shape = _move_to_last(_finite(x, jnp.nan), axes)
+        flat, shape = _move_to_last(jnp.asarray(x, jnp.float32), axes)
         if symmetric:
-            hi = jnp.nanpercentile(jnp.abs(flat), self.q, axis=-1)
+            hi = jnp.percentile(jnp.abs(flat), self.q, axis=-1)
             lo = -hi
         else:
-            lo = jnp.nanpercentile(flat, 100.0 - self.q, axis=-1)
-            hi = jnp.nanpercentile(flat, self.q, axis=-1)
-        lo = jnp.where(jnp.isnan(lo), 0.0, lo).reshape(shape)
-        hi = jnp.where(jnp.isnan(hi), 0.0, hi).reshape(shape)
-        return lo, hi
+            lo = jnp.percentile(flat, 100.0 - self.q, axis=-1)
+            hi = jnp.percentile(flat, self.q, axis=-1)
+        lo, hi = _nan_where(~_all_finite(flat, (-1,))[..., 0], lo, hi)
+        return lo.reshape(shape), hi.reshape(shape)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,13 +190,15 @@ class Mse:
 
     def __call__(self, x, axes, *, qtype, symmetric=True, narrow_range=False):  # noqa: D102
         axes = tuple(axes)
-        xf = _finite(x, 0.0)
+        xf = jnp.asarray(x, jnp.float32)
         if qtype.kind == "binary":
             # Codes are sign(x) whatever the scale, so the squared error
             # sum((|x| - s)^2) has its minimum in closed form at s = mean|x|.
-            s = jnp.mean(jnp.abs(xf), axis=axes, keepdims=True)
+            m, mean = _normalized_mean(jnp.abs, xf, axes)
+            s = m * mean
             return -s, s
         base_lo, base_hi = _minmax(xf, axes) if not symmetric else AbsMax()(xf, axes, qtype=qtype)
+        norm = jnp.maximum(jnp.maximum(-base_lo, base_hi), jnp.float32(numerics._TINY))
 
         def error(ratio: jax.Array) -> jax.Array:
             scale, zp = numerics.scale_from_range(
@@ -191,9 +209,11 @@ class Mse:
                 narrow_range=narrow_range,
             )
             shift = 0.0 if zp is None else zp
-            codes = numerics.encode(xf / scale + shift, qtype, narrow_range=narrow_range)
+            v = numerics.divide(xf, scale) + shift
+            codes = numerics.encode(v, qtype, narrow_range=narrow_range)
             xq = (numerics.decode(codes, qtype) - shift) * scale
-            return jnp.sum(jnp.square(xq - xf), axis=axes, keepdims=True)
+            # Errors relative to the block's bound, so squares of huge values stay finite.
+            return jnp.sum(jnp.square(numerics.divide(xq - xf, norm)), axis=axes, keepdims=True)
 
         def step(carry, ratio):
             best_err, best_ratio = carry
@@ -222,6 +242,9 @@ def _move_to_last(x: jax.Array, axes: Axes) -> tuple[jax.Array, tuple[int, ...]]
     return flat, shape
 
 
+# The built-in calibrators: each gives a block holding NaN or ±inf a NaN range.
+BUILTINS = (AbsMax, MinMax, Rms, Fixed, Percentile, Mse)
+
 _NAMES = ("absmax", "minmax", "rms", "fixed", "percentile", "mse")
 
 
@@ -249,6 +272,9 @@ def parse(calibration: str | Calibrator) -> Calibrator:
         args = [float(a) for a in raw]
     except ValueError:
         raise bad(f"arguments {raw} must be numbers") from None
+    for a, text in zip(args, raw, strict=True):
+        if not math.isfinite(a):
+            raise bad(f"argument {text!r} is not finite; arguments must be finite numbers")
     arity = {"absmax": (0, 1), "minmax": (0,), "rms": (1,), "fixed": (2,)}
     arity |= {"percentile": (1,), "mse": (0, 1, 2)}
     if name not in arity:

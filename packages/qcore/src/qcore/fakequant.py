@@ -36,16 +36,9 @@ from qcore.qtypes import QType
 
 def _forward(x, how, key):
     scale, zero_point, tensor_scale, lo, hi = qarray.calibrate(x, how)
-    q = qarray.quantize_with_scale_zero_point(
-        x,
-        how.resolved_qtype,
-        scale,
-        zero_point,
-        tensor_scale=tensor_scale,
-        rounding=how.rounding,
-        narrow_range=how.narrow_range,
-        key=key,
-    )
+    qtype, rounding, narrow_range = how.resolved_qtype, how.rounding, how.narrow_range
+    # Calibrated scales are NaN for non-finite blocks already: no scale checks here.
+    q = qarray._encode(x, scale, zero_point, tensor_scale, key, qtype, rounding, narrow_range)
     return qarray.dequantize(q), (lo, hi)
 
 
@@ -113,9 +106,17 @@ def fake_quant(
         clip_gradient: Zero the gradient outside the calibrated range.
 
     Returns:
-        An array like ``x`` holding only representable values.
+        An array like ``x`` holding only representable values; a block holding a
+        ``NaN`` or ``±inf`` comes back as ``NaN`` (as :func:`qcore.quantize`).
+
+    Raises:
+        TypeError: If ``how`` is not a :class:`~qcore.HowToQuantize`.
+        ValueError: For a non-float ``x`` or axes and tiles that do not fit it.
     """
+    qarray._check_how(how)
     x = jnp.asarray(x)
+    qarray._check_float(x)
+    how.scale_shape(x.shape)
     return _fake_quant(x, how, key, clip_gradient)
 
 
@@ -153,7 +154,13 @@ def fake_quant_with_scale(
         key: PRNG key for stochastic rounding.
 
     Returns:
-        An array like ``x`` holding only representable values.
+        An array like ``x`` holding only representable values; a block (the
+        values sharing one scale) holding a ``NaN`` or ``±inf`` comes back as
+        ``NaN``.
+
+    Raises:
+        ValueError: For a non-float ``x`` or scale, shapes that do not fit, or
+            (when concrete) a scale that is not finite and > 0.
 
     Example:
         >>> import jax, jax.numpy as jnp
@@ -179,14 +186,18 @@ def fake_quant_with_scale(
             "a zero point; allowed: uniform integer qtypes"
         )
     scale = jnp.asarray(scale)
+    qarray._check_float(scale, "scale")
     qarray._check_scale_shape(x.shape, scale.shape, "scale")
+    qarray._check_scale_values(scale)
     if zero_point is not None:
         zero_point = jnp.asarray(zero_point)
-        qarray._check_scale_shape(x.shape, zero_point.shape, "zero_point")
+        qarray._check_zero_point_shape(zero_point.shape, scale.shape)
+    finite = qarray._block_all_finite(x, scale.shape)
 
-    def fq(xb, sb, zb):
-        s32 = sb.astype(jnp.float32)
-        v = xb.astype(jnp.float32) / s32
+    def fq(xb, sb, zb, ok):
+        # A block holding NaN or ±inf gets a NaN scale (as quantize_with_scale_zero_point).
+        s32 = jnp.where(ok, sb.astype(jnp.float32), jnp.nan)
+        v = numerics.divide(xb, s32)
         if zb is not None:
             v = v + zb.astype(jnp.float32)
         v = jnp.where(jnp.isnan(v), jnp.zeros_like(v), v)  # NaN encodes as 0, as in encode
@@ -213,4 +224,4 @@ def fake_quant_with_scale(
             v_hat = v_hat - zb.astype(jnp.float32)
         return v_hat * s32
 
-    return qarray._apply(x, fq, scale, zero_point).astype(x.dtype)
+    return qarray._apply(x, fq, scale, zero_point, finite).astype(x.dtype)

@@ -4,16 +4,22 @@ Everything here acts on arrays that are already aligned with their scales; the
 tiling and calibration logic lives in :mod:`qcore.qarray`. All arithmetic is done
 in float32 whatever the input dtype, so bf16 inputs round the same way as f32.
 
-Rules for values that are not finite (the same in every qtype):
+Rules for values that are not finite (the same in every qtype; the project's
+policy, see ``docs/concepts.md``): quantization never turns a non-finite value
+into a finite one. Values that share one scale form a block.
 
-* calibration ignores ``NaN`` and ``±inf`` (see :mod:`qcore.calibration`);
-* ``+inf`` and ``-inf`` saturate to the largest and smallest level;
-* ``NaN`` encodes as the code of ``0.0`` (``int1``, which has no zero, gives
-  ``+1``);
-* a scale that would be zero, negative, subnormal-small or not finite (an
-  all-zero, all-NaN or empty block) is replaced by ``1.0``, so no scale is ever
-  ``NaN`` and such blocks dequantize to exact zeros (``int1``, which has no zero,
-  uses the smallest normal float32 instead and dequantizes to ``±1.2e-38``).
+* a block holding a ``NaN`` or ``±inf`` gets a ``NaN`` scale (and zero point), so
+  the whole block dequantizes to ``NaN``: calibrators return a ``NaN`` range for
+  it and :func:`scale_from_range` turns any non-finite range end into a ``NaN``
+  scale;
+* codes themselves are always valid: ``NaN`` encodes as the code of ``0.0``
+  (``int1``, which has no zero, gives ``+1``) and ``±inf`` saturate, but their
+  block's ``NaN`` scale makes them ``NaN`` again on dequantization;
+* a finite degenerate block (all zeros, or empty) gets scale ``1.0`` (``int1``,
+  which has no zero, the smallest normal float32, so it dequantizes to
+  ``±1.2e-38``); a scale that would be subnormal is raised to the smallest normal
+  float32, and scales never overflow: values up to float32's maximum quantize
+  within half a step.
 
 Example:
     >>> import jax.numpy as jnp
@@ -42,6 +48,7 @@ ROUNDING_MODES: tuple[str, ...] = get_args(Rounding)
 # Scales below this are treated as degenerate: dividing by them overflows f32 for
 # ordinary inputs. It is the smallest normal float32.
 _TINY = float(jnp.finfo(jnp.float32).tiny)
+_MAX = float(jnp.finfo(jnp.float32).max)
 
 
 def check_rounding(rounding: str, qtype: QType | None = None) -> None:
@@ -132,11 +139,30 @@ def symmetric_denominator(qtype: QType, narrow_range: bool) -> float:
     return qtype.qmax
 
 
-def _safe_scale(s: jax.Array, qtype: QType) -> jax.Array:
+def _scale(width: jax.Array, denominator: float | jax.Array, qtype: QType) -> jax.Array:
+    """``width / denominator`` as a usable scale: see the module docstring.
+
+    ``width`` is zero only for a degenerate block (it is tested rather than the
+    quotient, which XLA:CPU flushes to zero when subnormal); ``NaN`` stays ``NaN``.
+    """
     # int1 has no zero level: a degenerate (e.g. all-zero) block gets the
     # smallest normal scale, so it dequantizes to ±1.2e-38 rather than ±1.
     fallback = _TINY if qtype.kind == "binary" else 1.0
-    return jnp.where(jnp.isfinite(s) & (s >= _TINY), s, jnp.full_like(s, fallback))
+    scale = jnp.clip(width / denominator, _TINY, _MAX)
+    return jnp.where(width == 0, jnp.full_like(scale, fallback), scale)
+
+
+def divide(x: jax.Array, scale: jax.Array) -> jax.Array:
+    """``x / scale`` in float32, exact also for scales above ``2**126``.
+
+    XLA computes a division by a broadcast scale as a multiplication by its
+    reciprocal, which is subnormal, hence flushed to zero on CPU, for scales
+    above ``2**126`` (e.g. nf4 or int2 blocks near float32's maximum). Such scales
+    and ``x`` are first multiplied by ``2**-64`` (exact).
+    """
+    scale = jnp.asarray(scale, jnp.float32)
+    shrink = jnp.where(scale > 2.0**64, jnp.float32(2.0**-64), jnp.float32(1.0))
+    return (jnp.asarray(x, jnp.float32) * shrink) / (scale * shrink)
 
 
 def scale_from_range(
@@ -163,18 +189,24 @@ def scale_from_range(
         otherwise a float32 array of integral values within the code range.
         Block-scaled types with power-of-two (e8m0) scales get their scale
         rounded up to a power of two so the calibrated range is never clipped.
+        Where ``lo`` or ``hi`` is not finite (a block holding ``NaN`` or
+        ``±inf``), scale and zero point are ``NaN``.
     """
-    # A non-finite range end (only possible for hand-made ranges: calibrators
-    # skip non-finite values) counts as 0, so it cannot reach scales or zero points.
     lo, hi = (jnp.asarray(a, jnp.float32) for a in (lo, hi))
-    lo = jnp.where(jnp.isfinite(lo), lo, jnp.zeros_like(lo))
-    hi = jnp.where(jnp.isfinite(hi), hi, jnp.zeros_like(hi))
+    bad = ~(jnp.isfinite(lo) & jnp.isfinite(hi))
+    nan = jnp.float32(jnp.nan)
     if symmetric:
         bound = jnp.maximum(jnp.abs(lo), jnp.abs(hi)) if qtype.signed else jnp.maximum(hi, 0.0)
-        scale = _safe_scale(bound / symmetric_denominator(qtype, narrow_range), qtype)
+        denominator = symmetric_denominator(qtype, narrow_range)
+        scale = _scale(bound, denominator, qtype)
+        if denominator != qtype.qmax:
+            # qmin · bound / (qmax + 0.5) overflows for bounds within half a step of
+            # float32's maximum: such blocks map the bound to qmax, as narrow ranges do.
+            near_max = bound > _MAX * (denominator / -qtype.qmin)
+            scale = jnp.where(near_max, _scale(bound, qtype.qmax, qtype), scale)
         if qtype.scale_dtype == "float8_e8m0fnu":
             scale = jnp.exp2(jnp.ceil(jnp.log2(scale)))
-        return scale, None
+        return jnp.where(bad, nan, scale), None
     if not qtype.supports_asymmetric:
         raise ValueError(
             f"symmetric=False needs a uniform integer qtype; qtype={qtype.name!r} "
@@ -183,8 +215,14 @@ def scale_from_range(
     qmin, qmax = int_range(qtype, narrow_range)
     lo = jnp.minimum(lo, 0.0)
     hi = jnp.maximum(hi, 0.0)
-    scale = _safe_scale((hi - lo) / (qmax - qmin), qtype)
-    zero_point = jnp.clip(jnp.round(qmin - lo / scale), qmin, qmax)
+    # A range wider than float32's maximum ([-3e38, 3e38]) overflows hi - lo: it
+    # takes hi / n - lo / n instead (only for uint1, n = 1, is that clipped to the
+    # maximum). Narrow ranges keep hi - lo, as hi / n may be flushed to zero.
+    n = qmax - qmin
+    wide = jnp.isinf(hi - lo)
+    width = jnp.where(wide, hi / n - lo / n, hi - lo)
+    scale = jnp.where(bad, nan, _scale(width, jnp.where(wide, 1.0, n), qtype))
+    zero_point = jnp.clip(jnp.round(qmin - divide(lo, scale)), qmin, qmax)
     return scale, zero_point
 
 

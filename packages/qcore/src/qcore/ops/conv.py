@@ -14,15 +14,16 @@ dequantized to float32 and convolved with ``lax.conv_general_dilated``.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from functools import partial
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from qcore.ops.operand import Operand, as_input, operand, promote
+from qcore.ops.operand import Operand, as_input, operand, preferred_dtype, promote
 from qcore.qarray import QArray
 
 Array = jax.Array
@@ -43,8 +44,18 @@ def conv_general_dilated(
 ) -> Array:
     """``lax.conv_general_dilated`` where either operand may be a QArray.
 
-    Arguments are those of ``lax.conv_general_dilated``; the result dtype follows
+    Arguments are those of ``lax.conv_general_dilated``, in every form it accepts
+    (strides, dilations and padding pairs as lists, tuples or NumPy arrays of Python
+    or NumPy integers; padding names in any case); the result dtype follows
     :func:`qcore.dot_general`'s rule.
+
+    Raises:
+        ValueError: Before any computation, naming the argument, its value and what
+            is allowed: operands of different ranks, ``dimension_numbers`` that do not
+            fit them, strides, padding, dilations or group counts of the wrong form,
+            count or sign, lhs features that do not match the kernel's input features
+            times ``feature_group_count``, or (with a QArray operand) a non-float
+            ``preferred_element_type``.
 
     Example:
         >>> import jax, jax.numpy as jnp
@@ -60,33 +71,135 @@ def conv_general_dilated(
     """
     lhs = as_input(lhs, "lhs")
     rhs = as_input(rhs, "rhs")
-    conv: dict[str, Any] = dict(
-        window_strides=window_strides,
-        padding=padding,
-        lhs_dilation=lhs_dilation,
-        rhs_dilation=rhs_dilation,
-        feature_group_count=feature_group_count,
-        batch_group_count=batch_group_count,
+    conv = check_conv(
+        tuple(lhs.shape),
+        tuple(rhs.shape),
+        window_strides,
+        padding,
+        lhs_dilation,
+        rhs_dilation,
+        dimension_numbers,
+        feature_group_count,
+        batch_group_count,
     )
+    dn = conv.pop("dimension_numbers")
     if not isinstance(lhs, QArray) and not isinstance(rhs, QArray):
         return lax.conv_general_dilated(
             lhs,
             rhs,
-            dimension_numbers=dimension_numbers,
+            dimension_numbers=dn,
             precision=precision,
             preferred_element_type=preferred_element_type,
             **conv,
         )
-    dn = lax.conv_dimension_numbers(tuple(lhs.shape), tuple(rhs.shape), dimension_numbers)
-    static = tuple(sorted((k, _hashable(v)) for k, v in conv.items()))
-    preferred = None if preferred_element_type is None else jnp.dtype(preferred_element_type)
-    return _conv(lhs, rhs, dn, static, precision, preferred)
+    static = tuple(sorted(conv.items()))
+    return _conv(lhs, rhs, dn, static, precision, preferred_dtype(preferred_element_type))
 
 
-def _hashable(v: Any) -> Any:
-    if isinstance(v, str) or v is None or isinstance(v, int):
-        return v
-    return tuple(_hashable(e) for e in v)
+_PADDINGS = ("SAME", "SAME_LOWER", "VALID")
+
+
+def check_conv(
+    lshape: tuple[int, ...],
+    rshape: tuple[int, ...],
+    window_strides: Any,
+    padding: Any,
+    lhs_dilation: Any,
+    rhs_dilation: Any,
+    dimension_numbers: Any,
+    feature_group_count: Any,
+    batch_group_count: Any,
+) -> dict[str, Any]:
+    """The arguments of a convolution of these shapes, checked and made hashable.
+
+    Accepts what ``lax.conv_general_dilated`` accepts: sequences (lists, tuples,
+    NumPy arrays) of Python or NumPy integers, padding names in any case.
+
+    Returns:
+        The keyword arguments of ``lax.conv_general_dilated`` (tuples of ints, an
+        upper-case padding name, ``ConvDimensionNumbers``).
+
+    Raises:
+        ValueError: Naming the argument, its value and what is allowed.
+    """
+    if len(lshape) != len(rshape) or len(rshape) < 2:
+        raise ValueError(
+            f"lhs of shape {lshape} (rank {len(lshape)}) and rhs of shape {rshape} (rank "
+            f"{len(rshape)}); allowed: operands of the same rank >= 2"
+        )
+    try:
+        dn = lax.conv_dimension_numbers(lshape, rshape, dimension_numbers)
+    except (TypeError, ValueError) as e:
+        raise ValueError(
+            f"dimension_numbers={dimension_numbers!r} does not fit lhs {lshape} and rhs "
+            f"{rshape}: {e} Allowed: None or (lhs, rhs, out) specs such as "
+            "('NHWC', 'HWIO', 'NHWC')"
+        ) from None
+    n = len(rshape) - 2
+    conv: dict[str, Any] = dict(
+        window_strides=_ints("window_strides", window_strides, n, f"{n} integers >= 1"),
+        padding=_padding(padding, n),
+        lhs_dilation=_dilation("lhs_dilation", lhs_dilation, n),
+        rhs_dilation=_dilation("rhs_dilation", rhs_dilation, n),
+        dimension_numbers=dn,
+        feature_group_count=_count("feature_group_count", feature_group_count),
+        batch_group_count=_count("batch_group_count", batch_group_count),
+    )
+    features, per_group = lshape[dn.lhs_spec[1]], rshape[dn.rhs_spec[1]]
+    groups = conv["feature_group_count"]
+    if features != per_group * groups:
+        raise ValueError(
+            f"lhs has {features} input features (axis {dn.lhs_spec[1]} of shape {lshape}), "
+            f"but rhs takes {per_group} per group (axis {dn.rhs_spec[1]} of shape {rshape}) "
+            f"with feature_group_count={groups}; allowed: {per_group * groups} features"
+        )
+    return conv
+
+
+def _index(v: Any) -> int | None:
+    """``v`` as an int if it is an integer (Python, NumPy, 0-d array), else None."""
+    try:
+        return operator.index(v)
+    except TypeError:
+        return None
+
+
+def _ints(name: str, value: Any, n: int, allowed: str, minimum: int = 1) -> tuple[int, ...]:
+    try:
+        items = [_index(v) for v in value]
+    except TypeError:  # not iterable
+        items = []
+    if len(items) != n or any(v is None or v < minimum for v in items):
+        raise ValueError(f"{name}={value!r}; allowed: {allowed}")
+    return tuple(cast(list[int], items))
+
+
+def _dilation(name: str, value: Any, n: int) -> tuple[int, ...] | None:
+    return None if value is None else _ints(name, value, n, f"None or {n} integers >= 1")
+
+
+def _count(name: str, value: Any) -> int:
+    count = _index(value)
+    if count is None or count < 1:
+        raise ValueError(f"{name}={value!r}; allowed: an integer >= 1")
+    return count
+
+
+def _padding(padding: Any, n: int) -> str | tuple[tuple[int, int], ...]:
+    allowed = (
+        f"one of {', '.join(map(repr, _PADDINGS))} (any case) or {n} (low, high) pairs of integers"
+    )
+    if isinstance(padding, str):
+        if padding.upper() not in _PADDINGS:
+            raise ValueError(f"padding={padding!r}; allowed: {allowed}")
+        return padding.upper()
+    try:
+        pairs = [_ints("padding", p, 2, allowed, minimum=-(2**62)) for p in padding]
+    except (TypeError, ValueError):
+        pairs = []
+    if len(pairs) != n:
+        raise ValueError(f"padding={padding!r}; allowed: {allowed}")
+    return tuple(cast(tuple[int, int], p) for p in pairs)
 
 
 # One compiled computation per call, so eager results are bit-identical to jitted ones.

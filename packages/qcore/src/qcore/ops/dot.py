@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from qcore.ops.dot_general import dot_general
-from qcore.ops.operand import as_input, operand, promote
+from qcore.ops.operand import as_input, operand, preferred_dtype, promote
 from qcore.qarray import QArray, unpack
 
 Array = jax.Array
@@ -35,7 +35,9 @@ def dot(
     b = as_input(b, "b")
     if a.ndim == 0 or b.ndim == 0:
         x, y = operand(a), operand(b)
-        out_dtype = jnp.dtype(preferred_element_type or promote(x.dtype, y.dtype))
+        quantized = isinstance(a, QArray) or isinstance(b, QArray)
+        preferred = preferred_dtype(preferred_element_type) if quantized else preferred_element_type
+        out_dtype = jnp.dtype(preferred or promote(x.dtype, y.dtype))
         return (x.dequantized() * y.dequantized()).astype(out_dtype)
     axis_b = 0 if b.ndim == 1 else b.ndim - 2
     return dot_general(

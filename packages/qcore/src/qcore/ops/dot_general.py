@@ -14,13 +14,15 @@ The contraction is rewritten so that scales never multiply the inputs:
    and the group axes are summed.
 
 When the groups would make that intermediate result large (fine scale tiles along
-the contraction, such as one activation scale per input channel), the operands are
-dequantized and contracted in float32 instead. So is a weight-only product (one
-float operand) with many rows (at least 32, or 1024 for weights over 16 MiB as
-float32): it is compute-bound, and one float dot on the dequantized weight runs as
-fast as the float model, where the blocked kernels of :mod:`qcore.ops.kernels` and
-the grouped path above cost up to several times more. Weight-only products with
-fewer rows (decoding) take the kernels, which never materialise the weight.
+the contraction, such as one activation scale per input channel; with a symbolic
+batch, when they could), the operands are dequantized and contracted in float32
+instead. So is a weight-only product (one float operand) with many rows (at least
+32, or 1024 for weights over 16 MiB as float32; a symbolic ``jax.export`` batch
+counts as many): it is compute-bound, and one float dot on the dequantized weight
+runs as fast as the float model, where the blocked kernels of
+:mod:`qcore.ops.kernels` and the grouped path above cost up to several times more.
+Weight-only products with fewer rows (decoding) take the kernels, which never
+materialise the weight.
 
 This equals dequantize-then-contract up to float rounding; apart from the two
 dequantizing cases above, it never materialises a scaled copy of either operand.
@@ -40,10 +42,11 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from qcore.ops import kernels
-from qcore.ops.operand import Operand, as_input, expand, operand, promote
+from qcore.ops.operand import Operand, as_input, expand, operand, preferred_dtype, promote
 from qcore.qarray import QArray
 
 Array = jax.Array
@@ -65,15 +68,17 @@ def dot_general(
         dimension_numbers: ``((lhs_contracting, rhs_contracting), (lhs_batch,
             rhs_batch))`` as in ``lax.dot_general``.
         precision: Passed to the float contraction.
-        preferred_element_type: Result dtype (see the module docstring).
+        preferred_element_type: Result dtype (see the module docstring); with a
+            QArray operand None or a floating-point dtype.
 
     Returns:
         The contraction, laid out as ``lax.dot_general`` lays it out (batch, lhs
         free, rhs free).
 
     Raises:
-        ValueError: For mismatched contracting or batch dims, or scales whose tiles
-            along a contracting axis cannot be aligned.
+        ValueError: For malformed ``dimension_numbers``, mismatched contracting or
+            batch dims, a non-float ``preferred_element_type`` with a QArray operand,
+            or scales whose tiles along a contracting axis cannot be aligned.
 
     Example:
         >>> import jax, jax.numpy as jnp
@@ -88,11 +93,10 @@ def dot_general(
     """
     lhs = as_input(lhs, "lhs")
     rhs = as_input(rhs, "rhs")
+    dims = check_dims(tuple(lhs.shape), tuple(rhs.shape), dimension_numbers)
     if not isinstance(lhs, QArray) and not isinstance(rhs, QArray):
         return lax.dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type)
-    dims = _check_dims(tuple(lhs.shape), tuple(rhs.shape), dimension_numbers)
-    preferred = None if preferred_element_type is None else jnp.dtype(preferred_element_type)
-    return _dot_general(lhs, rhs, dims, precision, preferred)
+    return _dot_general(lhs, rhs, dims, precision, preferred_dtype(preferred_element_type))
 
 
 # One compiled computation per call, so eager results are bit-identical to jitted ones.
@@ -131,37 +135,78 @@ def _dequantize_first(lhs: Any, rhs: Any, dims) -> bool:
     x, contracting, batch = (rhs, rc, rb) if isinstance(lhs, QArray) else (lhs, lc, lb)
     w = lhs if isinstance(lhs, QArray) else rhs
     rows = math.prod(d for i, d in enumerate(x.shape) if i not in contracting and i not in batch)
-    weight_bytes = 4 * math.prod(w.shape)
-    limit = _DEQUANTIZE_ROWS if weight_bytes <= _LARGE_WEIGHT_BYTES else _DEQUANTIZE_ROWS_LARGE
-    return rows >= limit
+    large = _may_exceed(4 * math.prod(w.shape), _LARGE_WEIGHT_BYTES)
+    return _may_exceed(rows, (_DEQUANTIZE_ROWS_LARGE if large else _DEQUANTIZE_ROWS) - 1)
+
+
+def _may_exceed(size: Any, limit: int) -> bool:
+    """``size > limit``, also for a symbolic (shape-polymorphic) size.
+
+    A symbolic size that its constraints do not bound counts as exceeding: the path
+    chosen must then suit any size (``jax.export`` with a symbolic batch).
+    """
+    try:
+        return bool(size > limit)
+    except jax.errors.InconclusiveDimensionOperation:
+        return True
 
 
 def _axes(axes: Sequence[int], ndim: int, name: str) -> tuple[int, ...]:
     out = []
     for a in axes:
+        if not isinstance(a, int | np.integer) or isinstance(a, bool | np.bool_):
+            raise ValueError(
+                f"dimension_numbers: {name} axis {a!r} is not an int; allowed: axes in "
+                f"{-ndim}..{ndim - 1}"
+            )
         if not -ndim <= a < ndim:
-            raise ValueError(f"{name}: axis {a} is out of range for rank {ndim}")
-        out.append(a % ndim)
+            raise ValueError(
+                f"dimension_numbers: {name}: axis {a} is out of range for rank {ndim}; "
+                f"allowed: axes in {-ndim}..{ndim - 1}"
+            )
+        out.append(int(a) % ndim)
     if len(set(out)) != len(out):
-        raise ValueError(f"{name}={tuple(axes)} repeats an axis")
+        raise ValueError(
+            f"dimension_numbers: {name}={tuple(axes)} repeats an axis; allowed: each axis once"
+        )
     return tuple(out)
 
 
-def _check_dims(
+def check_dims(
     lshape: tuple[int, ...], rshape: tuple[int, ...], dimension_numbers: DimensionNumbers
 ) -> tuple[tuple[tuple[int, ...], tuple[int, ...]], tuple[tuple[int, ...], tuple[int, ...]]]:
-    (lc, rc), (lb, rb) = dimension_numbers
+    """``dimension_numbers`` checked against the operand shapes, axes made non-negative.
+
+    Raises:
+        ValueError: Naming what is wrong: the structure, an axis, or sizes that differ.
+    """
+    try:
+        (lc, rc), (lb, rb) = dimension_numbers
+        lc, rc, lb, rb = (tuple(a) for a in (lc, rc, lb, rb))
+    except (TypeError, ValueError):
+        raise ValueError(
+            f"dimension_numbers={dimension_numbers!r}; allowed: ((lhs_contracting, "
+            "rhs_contracting), (lhs_batch, rhs_batch)), each a sequence of axes"
+        ) from None
     lc, lb = _axes(lc, len(lshape), "lhs contracting"), _axes(lb, len(lshape), "lhs batch")
     rc, rb = _axes(rc, len(rshape), "rhs contracting"), _axes(rb, len(rshape), "rhs batch")
     for kind, la, ra in (("contracting", lc, rc), ("batch", lb, rb)):
+        if len(la) != len(ra):
+            raise ValueError(
+                f"dimension_numbers: lhs {kind} axes {la} and rhs {kind} axes {ra} differ in "
+                "number; allowed: as many lhs as rhs axes"
+            )
         sizes_l, sizes_r = [lshape[i] for i in la], [rshape[i] for i in ra]
         if sizes_l != sizes_r:
             raise ValueError(
                 f"{kind} dims do not match: lhs axes {la} have sizes {sizes_l}, rhs axes {ra} "
-                f"have sizes {sizes_r} (lhs shape {lshape}, rhs shape {rshape})"
+                f"have sizes {sizes_r} (lhs shape {lshape}, rhs shape {rshape}); they must be "
+                "equal"
             )
     if set(lc) & set(lb) or set(rc) & set(rb):
-        raise ValueError("an axis cannot be both contracting and batch")
+        raise ValueError(
+            f"dimension_numbers={dimension_numbers!r}: an axis cannot be both contracting and batch"
+        )
     return (lc, rc), (lb, rb)
 
 
@@ -243,7 +288,7 @@ def scaled_dot_general(a: Operand, b: Operand, dims, precision: Any = None) -> A
     groups = _groups(a, b, lc, rc)
     out_size = math.prod(a.shape[i] for i in range(a.ndim) if i not in lc)
     out_size *= math.prod(b.shape[i] for i in range(b.ndim) if i not in rc and i not in rb)
-    if math.prod(groups) > 1 and out_size * math.prod(groups) > _MAX_GROUPED_ELEMENTS:
+    if math.prod(groups) > 1 and _may_exceed(out_size * math.prod(groups), _MAX_GROUPED_ELEMENTS):
         return lax.dot_general(
             a.dequantized(), b.dequantized(), dims, precision, preferred_element_type=jnp.float32
         )

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from qcore.ops.dot_general import dot_general
-from qcore.ops.operand import as_input, operand, promote
+from qcore.ops.operand import as_input, operand, preferred_dtype, promote
 from qcore.qarray import QArray
 
 Array = jax.Array
@@ -65,6 +65,28 @@ def _parse(subscripts: str, ndims: tuple[int, int]) -> tuple[list[str], str]:
     return letters, out
 
 
+def check_einsum(subscripts: str, lshape: tuple[int, ...], rshape: tuple[int, ...]) -> None:
+    """Raises if ``subscripts`` do not fit the operands' ranks or a letter's sizes differ.
+
+    A size of 1 broadcasts, as in ``jnp.einsum``.
+    """
+    (la, lb), _ = _parse(subscripts, (len(lshape), len(rshape)))
+    for c in dict.fromkeys(la + lb):
+        sizes = [
+            d
+            for ls, sh in ((la, lshape), (lb, rshape))
+            for e, d in zip(ls, sh, strict=True)
+            if e == c
+        ]
+        if len(set(sizes) - {1}) > 1:
+            what = f"letter {c!r}" if c in subscripts else "an ellipsis dim"
+            raise ValueError(
+                f"subscripts={subscripts!r}: {what} has sizes {sizes} in the operands of shapes "
+                f"{tuple(lshape)} and {tuple(rshape)}; allowed: equal sizes (or 1, which "
+                "broadcasts)"
+            )
+
+
 def einsum(
     subscripts: str,
     lhs: Array | QArray,
@@ -83,6 +105,11 @@ def einsum(
         precision: Passed to the float contraction.
         preferred_element_type: Result dtype (see :func:`qcore.dot_general`).
 
+    Raises:
+        ValueError: For subscripts that do not fit the operands (see the module
+            docstring), a letter whose sizes differ, or a non-float
+            ``preferred_element_type`` with a QArray operand.
+
     Example:
         >>> import jax, jax.numpy as jnp
         >>> import qcore
@@ -96,12 +123,12 @@ def einsum(
     """
     lhs = as_input(lhs, "lhs")
     rhs = as_input(rhs, "rhs")
+    check_einsum(subscripts, tuple(lhs.shape), tuple(rhs.shape))  # before tracing
     if not isinstance(lhs, QArray) and not isinstance(rhs, QArray):
         return jnp.einsum(
             subscripts, lhs, rhs, precision=precision, preferred_element_type=preferred_element_type
         )
-    _parse(subscripts, (lhs.ndim, rhs.ndim))  # raises on bad subscripts before tracing
-    preferred = None if preferred_element_type is None else jnp.dtype(preferred_element_type)
+    preferred = preferred_dtype(preferred_element_type)
     return _einsum(subscripts, lhs, rhs, precision, preferred)
 
 

@@ -55,11 +55,12 @@ def _x_digits(x, nd):
     """(M, K) f32 -> ((nd*M, K) int8 digits, most significant first, (M, 1) f32 scale).
 
     Balanced base-256 digits of round(x / s), s = max|x_row| / (127 * 256**(nd-1)).
-    Non-finite rows give NaN outputs (the scale becomes inf/nan).
+    A row holding NaN or inf gets a NaN or inf scale, so its outputs are not finite;
+    an all-zero row gets scale 1.
     """
     top = 127 * 256 ** (nd - 1)
     amax = jnp.max(jnp.abs(x), axis=1, keepdims=True)
-    scale = jnp.where(amax > 0, amax / top, jnp.ones_like(amax)).astype(f32)
+    scale = jnp.where(amax == 0, jnp.ones_like(amax), amax / top).astype(f32)
     v = jnp.round(x / scale).astype(i32)
     digits = []
     for _ in range(nd - 1):
@@ -160,11 +161,12 @@ def int8_weight_only(
     # ---- (K, N) fallback
     n = w_codes.shape[1]
     if m == 1 and block is None:
-        # one multi-threaded loop fusion: P = K/16 partial rows, each the python-unrolled sum of
-        # 16 (x[k] * float(w[k, :])) terms over static strided slices (vectorised along N), then a
-        # tiny f32 GEMV sums the P rows. Writes no weight-size temporary. (jnp.sum over the
+        # one multi-threaded loop fusion: P = K/bk partial rows, each the python-unrolled sum of
+        # bk (x[k] * float(w[k, :])) terms over static strided slices (vectorised along N), then
+        # a tiny f32 GEMV sums the P rows. Writes no weight-size temporary. (jnp.sum over the
         # major axis instead would hit XLA:CPU's pathological column-walk reduce: seconds.)
-        bk = 16
+        # bk: the largest divisor of K up to 16 (16 for any K a multiple of 16).
+        bk = max(d for d in range(1, 17) if k % d == 0)
         p_rows = k // bk
         w3 = w_codes.reshape(p_rows, bk, n)
         x3 = x.astype(f32).reshape(p_rows, bk)
@@ -414,7 +416,8 @@ def fast_dot_general(lhs, rhs, dims, precision):
     Applies when ``rhs`` is a 2-D symmetric signed-integer QArray (int2..int8 codes, or
     int4 packed along K) with one scale per output column (int4 packed: or per tile of K),
     ``lhs`` contracts its last axis with no batch axes, and ``lhs`` is a float array
-    (weight-only) or a symmetric int8-coded QArray with one scale per row (w8a8). The
+    with a static (not symbolic) row count (weight-only) or a symmetric int8-coded
+    QArray with one scale per row (w8a8). The
     weight may be stored (K, N) ("kn") or (N, K) ("nk", faster: see the module docstring).
     """
     from qcore.qarray import QArray  # local: kernels is imported by qarray users
@@ -446,6 +449,8 @@ def fast_dot_general(lhs, rhs, dims, precision):
     for d in lead:
         m *= d
     prec = "highest" if precision in (None, "highest", lax.Precision.HIGHEST) else "high"
+    if not isinstance(lhs, QArray) and not isinstance(m, int):
+        return None  # a symbolic batch: the weight-only kernels branch on the row count
     if isinstance(lhs, QArray):
         if packed4 or not _signed_int8_codes(lhs) or lhs.zero_point is not None:
             return None

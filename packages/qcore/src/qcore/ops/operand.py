@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from qcore import numerics
-from qcore.qarray import QArray, unpack
+from qcore.qarray import QArray, _float_dtype, unpack
 
 Array = jax.Array
 
@@ -128,6 +128,13 @@ def expand(a: Array, shape: tuple[int, ...]) -> Array:
         if s not in (1, d):
             a = jnp.repeat(a, d // s, axis=axis, total_repeat_length=d)
     return a
+
+
+def preferred_dtype(preferred_element_type: Any) -> np.dtype | None:
+    """An op's ``preferred_element_type`` with a QArray operand: None or a float dtype."""
+    if preferred_element_type is None:
+        return None
+    return _float_dtype("preferred_element_type", preferred_element_type)
 
 
 def as_input(x: object, name: str) -> Array | QArray:

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from qcore.ops.operand import Operand, as_input, expand, operand, promote
+from qcore.ops.operand import Operand, as_input, expand, operand, preferred_dtype, promote
 from qcore.qarray import QArray
 
 Array = jax.Array
@@ -38,7 +38,8 @@ def ragged_dot(
         rhs: ``(groups, k, n)`` array or QArray.
         group_sizes: ``(groups,)`` integers summing to ``m`` (checked when concrete).
         precision: Passed to the float contraction.
-        preferred_element_type: Result dtype (see :func:`qcore.dot_general`).
+        preferred_element_type: Result dtype (see :func:`qcore.dot_general`); with a
+            QArray operand None or a floating-point dtype.
 
     Example:
         >>> import jax, jax.numpy as jnp
@@ -53,31 +54,40 @@ def ragged_dot(
     """
     lhs = as_input(lhs, "lhs")
     rhs = as_input(rhs, "rhs")
-    if lhs.ndim != 2 or rhs.ndim != 3 or lhs.shape[1] != rhs.shape[1]:
+    group_sizes = check_ragged(tuple(lhs.shape), tuple(rhs.shape), group_sizes)
+    if not isinstance(lhs, QArray) and not isinstance(rhs, QArray):
+        return lax.ragged_dot(lhs, rhs, group_sizes, precision, preferred_element_type)
+    return _ragged_dot(lhs, rhs, group_sizes, precision, preferred_dtype(preferred_element_type))
+
+
+def check_ragged(lshape: tuple[int, ...], rshape: tuple[int, ...], group_sizes: Any) -> Array:
+    """``group_sizes`` as int32, checked against operands of shapes ``lshape``, ``rshape``.
+
+    Raises:
+        ValueError: Unless lhs is ``(m, k)``, rhs ``(groups, k, n)`` and group_sizes
+            ``groups`` integers (summing to ``m`` when concrete).
+    """
+    if len(lshape) != 2 or len(rshape) != 3 or lshape[1] != rshape[1]:
         raise ValueError(
-            f"ragged_dot needs lhs (m, k) and rhs (groups, k, n); got shapes "
-            f"{tuple(lhs.shape)} and {tuple(rhs.shape)}"
+            f"ragged_dot needs lhs (m, k) and rhs (groups, k, n) with the same k; got shapes "
+            f"{lshape} and {rshape}"
         )
     group_sizes = jnp.asarray(group_sizes)
-    if group_sizes.shape != (rhs.shape[0],) or not jnp.issubdtype(group_sizes.dtype, jnp.integer):
+    if group_sizes.shape != (rshape[0],) or not jnp.issubdtype(group_sizes.dtype, jnp.integer):
         raise ValueError(
-            f"group_sizes must be {rhs.shape[0]} integers (one per group of rhs); got shape "
+            f"group_sizes must be {rshape[0]} integers (one per group of rhs); got shape "
             f"{group_sizes.shape} and dtype {group_sizes.dtype}"
         )
     try:
         total = int(np.sum(np.asarray(group_sizes)))
     except jax.errors.TracerArrayConversionError:
         total = None  # traced under jit: cannot be checked here
-    if total is not None and total != lhs.shape[0]:
+    if total is not None and total != lshape[0]:
         raise ValueError(
             f"group_sizes {np.asarray(group_sizes).tolist()} sum to {total}, but lhs has "
-            f"{lhs.shape[0]} rows; they must sum to the number of rows"
+            f"{lshape[0]} rows; they must sum to the number of rows"
         )
-    group_sizes = group_sizes.astype(jnp.int32)
-    if not isinstance(lhs, QArray) and not isinstance(rhs, QArray):
-        return lax.ragged_dot(lhs, rhs, group_sizes, precision, preferred_element_type)
-    preferred = None if preferred_element_type is None else jnp.dtype(preferred_element_type)
-    return _ragged_dot(lhs, rhs, group_sizes, precision, preferred)
+    return group_sizes.astype(jnp.int32)
 
 
 # One compiled computation per call, so eager results are bit-identical to jitted ones.

@@ -52,10 +52,11 @@ import jax.numpy as jnp
 from jax import lax
 
 from qcore.fakequant import in_calibrated_range
-from qcore.ops.conv import conv_general_dilated
-from qcore.ops.dot_general import dot_general
-from qcore.ops.einsum import einsum
-from qcore.ops.ragged_dot import ragged_dot
+from qcore.ops.conv import check_conv, conv_general_dilated
+from qcore.ops.dot_general import check_dims, dot_general
+from qcore.ops.einsum import check_einsum, einsum
+from qcore.ops.operand import preferred_dtype
+from qcore.ops.ragged_dot import check_ragged, ragged_dot
 from qcore.qarray import HowToQuantize, dequantize, quantize
 
 Array = jax.Array
@@ -194,8 +195,13 @@ def train_dot_general(
         config: The :class:`TrainingQuant`.
         key: PRNG key, required when a spec rounds stochastically.
         precision: Precision of the float contractions.
-        preferred_element_type: Result dtype.
+        preferred_element_type: Result dtype: None or a floating-point dtype.
+
+    Raises:
+        ValueError: For bad arguments, as :func:`qcore.dot_general` does.
     """
+    check_dims(jnp.shape(lhs), jnp.shape(rhs), dimension_numbers)
+    preferred_dtype(preferred_element_type)
 
     def q_op(a, b):
         return dot_general(a, b, dimension_numbers, precision, preferred_element_type)
@@ -217,6 +223,8 @@ def train_einsum(
     preferred_element_type: Any = None,
 ) -> Array:
     """:func:`qcore.einsum` with a quantized forward and separately quantized gradients."""
+    check_einsum(subscripts, jnp.shape(lhs), jnp.shape(rhs))
+    preferred_dtype(preferred_element_type)
 
     def q_op(a, b):
         return einsum(
@@ -246,16 +254,19 @@ def train_conv_general_dilated(
     preferred_element_type: Any = None,
 ) -> Array:
     """:func:`qcore.conv_general_dilated` with quantized forward and gradients."""
-    conv: dict[str, Any] = dict(
-        window_strides=window_strides,
-        padding=padding,
-        lhs_dilation=lhs_dilation,
-        rhs_dilation=rhs_dilation,
-        dimension_numbers=dimension_numbers,
-        feature_group_count=feature_group_count,
-        batch_group_count=batch_group_count,
-        precision=precision,
+    conv = check_conv(
+        jnp.shape(lhs),
+        jnp.shape(rhs),
+        window_strides,
+        padding,
+        lhs_dilation,
+        rhs_dilation,
+        dimension_numbers,
+        feature_group_count,
+        batch_group_count,
     )
+    conv["precision"] = precision
+    preferred_dtype(preferred_element_type)
 
     def q_op(a, b):
         return conv_general_dilated(a, b, preferred_element_type=preferred_element_type, **conv)
@@ -277,6 +288,8 @@ def train_ragged_dot(
     preferred_element_type: Any = None,
 ) -> Array:
     """:func:`qcore.ragged_dot` with quantized forward and gradients."""
+    group_sizes = check_ragged(jnp.shape(lhs), jnp.shape(rhs), group_sizes)
+    preferred_dtype(preferred_element_type)
 
     def q_op(a, b, gs):
         return ragged_dot(a, b, gs, precision, preferred_element_type)
