@@ -203,7 +203,9 @@ def run(out: Path, quick: bool, seed: int) -> list[dict[str, Any]]:
     print("[4/5] qlitert: full-integer int8 .tflite of the float model", flush=True)
     fn = lambda x: model.apply({"params": params}, x)  # noqa: E731 - params become constants
     cal = qlitert.calibrate(fn, [x_train[i : i + BATCH] for i in range(0, len(x_train), BATCH)])
-    path = qlitert.save(out / "flax_int8.tflite", qlitert.export(qlitert.annotate(fn, cal), x_test))
+    tflite = qlitert.export(qlitert.annotate(fn, cal), x_test)
+    # overwrite=True replaces the model a previous run wrote; any other file is refused.
+    path = qlitert.save(out / "flax_int8.tflite", tflite, overwrite=True)
     rows.append(tflite_row("qlitert int8 .tflite", path, x_test, ref, y_test))
 
     q_epochs = qtorchlike_digits.QUICK_EPOCHS if quick else qtorchlike_digits.DEFAULT_EPOCHS
@@ -211,7 +213,7 @@ def run(out: Path, quick: bool, seed: int) -> list[dict[str, Any]]:
     qt_model, qt_acc = qtorchlike_digits.train(8, q_epochs, seed, verbose=True)
     x_nchw = x_test.transpose(0, 3, 1, 2)
     path = out / "qtorchlike_int8.tflite"
-    qtorchlike.export_tflite(qt_model, x_nchw, path=path)
+    qtorchlike.export_tflite(qt_model, x_nchw, path=path, overwrite=True)
     r = tflite_row("qtorchlike QAT int8 .tflite", path, x_nchw, None, y_test)
     r["eager_qat_accuracy"] = qt_acc
     rows.append(r)

@@ -265,7 +265,8 @@ def export(model: qnn.Sequential, path: str) -> float:
     import qlitert  # noqa: PLC0415 - only this option needs it
 
     _, _, x_test, y_test = load_data()
-    tflite = qtorchlike.export_tflite(model, x_test, path=path)
+    # The path the user named: a previous model there is replaced, any other file refused.
+    tflite = qtorchlike.export_tflite(model, x_test, path=path, overwrite=True)
     logits = qlitert.LiteRTModel(tflite)(x_test)
     return float(np.mean(np.argmax(logits, axis=1) == y_test))
 

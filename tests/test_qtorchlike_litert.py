@@ -13,6 +13,7 @@ from sklearn.datasets import load_digits
 import qlitert
 import qtorchlike
 import qtorchlike.nn as qnn
+from qcore.testing import assert_rejects
 from qtorchlike import optim
 from qtorchlike.func import train_step
 from qtorchlike.quant import Int8ActPerTensorFloat, Int8WeightPerChannelFloat, Int32Bias
@@ -154,10 +155,11 @@ def test_a_failed_export_leaves_the_model_and_the_file_untouched(tmp_path):
         model(x)
     before, values = switches(model), state(model)
     path = tmp_path / "model.tflite"
-    path.write_bytes(b"previous")  # not a model: replaced only with overwrite=True
+    previous = b"\x1c\0\0\0TFL3 a previous model"  # replaceable, with overwrite=True
+    path.write_bytes(previous)
     with pytest.raises(qlitert.UnsupportedOpError, match="sin"):
         qtorchlike.export_tflite(model, x, path=path, overwrite=True)
-    assert path.read_bytes() == b"previous"
+    assert path.read_bytes() == previous
     assert switches(model) == before
     after = state(model)
     for k in values:
@@ -166,10 +168,52 @@ def test_a_failed_export_leaves_the_model_and_the_file_untouched(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model.tflite"]
 
 
-def test_export_to_a_missing_directory_fails_before_converting(calibrated, digits, tmp_path):
+PATHS = {
+    "a missing directory": (
+        lambda d: d / "missing" / "m.tflite",
+        False,
+        FileNotFoundError,
+        ["does not exist"],
+    ),
+    "a directory": (lambda d: d / "sub", False, FileExistsError, ["is a directory"]),
+    "another file, even with overwrite": (
+        lambda d: d / "notes.txt",
+        True,
+        FileExistsError,
+        ["not a LiteRT model", "never"],
+    ),
+    "a model, without overwrite": (
+        lambda d: d / "old.tflite",
+        False,
+        FileExistsError,
+        ["already holds", "overwrite=True"],
+    ),
+    "not a path": (lambda d: 5, False, TypeError, ["path=5", "str or os.PathLike"]),
+}
+
+
+@pytest.mark.parametrize("case", list(PATHS), ids=list(PATHS))
+def test_a_path_export_may_not_write_fails_before_converting(
+    case, calibrated, digits, tmp_path, monkeypatch
+):
+    make, overwrite, error, fragments = PATHS[case]
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "notes.txt").write_text("my notes")
+    qlitert.save(tmp_path / "old.tflite", qtorchlike.export_tflite(calibrated, digits[1][0][:4]))
+
+    def no_conversion(*args, **kwargs):
+        raise AssertionError("converted before checking the path")
+
+    monkeypatch.setattr(qlitert, "export", no_conversion)
     _, (x_test, _) = digits
-    with pytest.raises(FileNotFoundError, match="does not exist"):
-        qtorchlike.export_tflite(calibrated, x_test, path=tmp_path / "missing" / "m.tflite")
+    assert_rejects(
+        lambda: qtorchlike.export_tflite(
+            calibrated, x_test, path=make(tmp_path), overwrite=overwrite
+        ),
+        error,
+        *fragments,
+        unchanged=(tmp_path,),
+    )
 
 
 def test_export_rejects_an_example_that_is_not_an_array(calibrated):

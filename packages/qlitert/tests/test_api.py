@@ -19,6 +19,7 @@ def test_public_api_is_pinned():
         "calibrate",
         "check_agreement",
         "check_kernels",
+        "check_path",
         "converter",
         "export",
         "inspect",

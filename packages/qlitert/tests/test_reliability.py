@@ -176,22 +176,32 @@ def test_traced_range_updates_turn_a_non_finite_batch_into_a_nan_range():
 # -- save: validated, atomic, never replaces what is not ours ---------------------
 
 
-def test_save_replaces_an_existing_model(tfl, int_out_tfl, tmp_path):
+def test_save_replaces_an_existing_model_only_with_overwrite(tfl, int_out_tfl, tmp_path):
     path = tmp_path / "m.tflite"
     qlitert.save(path, tfl)
-    assert qlitert.save(path, int_out_tfl) == path
+    assert_rejects(
+        lambda: qlitert.save(path, int_out_tfl), FileExistsError, str(path),
+        "already holds a LiteRT model", "overwrite=True", unchanged=(tmp_path,),
+    )  # fmt: skip
+    assert qlitert.save(path, int_out_tfl, overwrite=True) == path
     assert path.read_bytes() == int_out_tfl
     assert [p.name for p in tmp_path.iterdir()] == ["m.tflite"]
 
 
-def test_save_refuses_another_file_without_overwrite(tfl, tmp_path):
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_save_never_replaces_another_file(tfl, tmp_path, overwrite):
     path = tmp_path / "notes.txt"
     path.write_text("my notes")
     assert_rejects(
-        lambda: qlitert.save(path, tfl), ValueError, str(path), "not a LiteRT model",
-        "overwrite=True", unchanged=(tmp_path,),
+        lambda: qlitert.save(path, tfl, overwrite=overwrite), FileExistsError, str(path),
+        "not a LiteRT model", "never replaced", unchanged=(tmp_path,),
     )  # fmt: skip
-    qlitert.save(path, tfl, overwrite=True)
+
+
+def test_save_writes_over_an_empty_file(tfl, tmp_path):
+    path = tmp_path / "m.tflite"
+    path.touch()
+    qlitert.save(path, tfl)
     assert path.read_bytes() == tfl
 
 
@@ -213,7 +223,7 @@ def test_a_failure_at_any_step_of_save_leaves_the_old_model_and_no_temporary(
 
     monkeypatch.setattr(os, "replace" if step == "interrupt" else step, fail)
     with pytest.raises((OSError, KeyboardInterrupt)):
-        qlitert.save(path, int_out_tfl)
+        qlitert.save(path, int_out_tfl, overwrite=True)
     monkeypatch.undo()
     assert_unchanged(before, tmp_path)
 
@@ -233,7 +243,7 @@ def test_a_failed_directory_sync_after_the_rename_keeps_the_complete_new_model(
         real_fsync(fd)
 
     monkeypatch.setattr(os, "fsync", second_fails)
-    qlitert.save(path, int_out_tfl)
+    qlitert.save(path, int_out_tfl, overwrite=True)
     assert len(calls) == 2 and path.read_bytes() == int_out_tfl
     assert [p.name for p in tmp_path.iterdir()] == ["m.tflite"]
 
@@ -379,17 +389,17 @@ def call_cases(tfl, model, codes_model, tmp_path):
             TypeError, ["tflite is a str", "allowed: the .tflite bytes"], (tmp_path,)),
         "save to a directory": (
             lambda: qlitert.save(folder, tfl),
-            ValueError, [str(folder), "is a directory", "allowed: a .tflite file path"],
+            FileExistsError, [str(folder), "is a directory", "allowed: a .tflite file path"],
             (tmp_path,)),
         "save over another file": (
-            lambda: qlitert.save(notes, tfl),
-            ValueError, [str(notes), "not a LiteRT model", "overwrite=True"], (tmp_path,)),
+            lambda: qlitert.save(notes, tfl, overwrite=True),
+            FileExistsError, [str(notes), "not a LiteRT model", "never replaced"], (tmp_path,)),
         "save into a missing directory": (
             lambda: qlitert.save(tmp_path / "nope" / "m.tflite", tfl),
-            ValueError, ["nope", "directory does not exist"], (tmp_path,)),
+            FileNotFoundError, ["nope", "directory does not exist"], (tmp_path,)),
         "save to a non-path": (
             lambda: qlitert.save(3, tfl),
-            TypeError, ["path is a int", "allowed: a str or os.PathLike"], (tmp_path,)),
+            TypeError, ["path=3 is a int", "allowed: a str or os.PathLike"], (tmp_path,)),
         # inspect and load
         "inspect a short buffer": (
             lambda: qlitert.inspect(b"TFL"),

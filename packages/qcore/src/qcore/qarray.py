@@ -378,11 +378,7 @@ class QArray:
             hi = len(qtype.codebook) - 1 if qtype.codebook else qtype.qmax
             _check_codes("qvalue", qvalue, qtype, 0 if qtype.codebook else qtype.qmin, hi)
         if zero_point is not None:
-            if not qtype.supports_asymmetric:
-                raise ValueError(
-                    f"zero_point given but qtype={qtype.name!r} (kind {qtype.kind!r}) cannot "
-                    "hold a zero point; allowed: uniform integer qtypes"
-                )
+            _check_zero_point_allowed(qtype)
             zero_point = jnp.asarray(zero_point)
             _check_codes("zero_point", zero_point, qtype, qtype.qmin, qtype.qmax)
         _set(self, qvalue, scale, zero_point, tensor_scale, qtype, dtype, packing)
@@ -539,6 +535,14 @@ def _check_scale_shape(shape: Shape, sshape: Shape, name: str) -> None:
         raise ValueError(
             f"{name} shape {tuple(sshape)} does not fit value shape {tuple(shape)}: it needs the "
             "same rank and each of its dims must divide the value's dim"
+        )
+
+
+def _check_zero_point_allowed(qtype: QType) -> None:
+    if not qtype.supports_asymmetric:
+        raise ValueError(
+            f"zero_point given but qtype={qtype.name!r} (kind {qtype.kind!r}) cannot "
+            "hold a zero point; allowed: uniform integer qtypes"
         )
 
 
@@ -888,11 +892,7 @@ def quantize_with_scale_zero_point(
         _check_float(tensor_scale, "tensor_scale")
         _check_scale_values(tensor_scale, "tensor_scale")
     if zero_point is not None:
-        if not qtype.supports_asymmetric:
-            raise ValueError(
-                f"zero_point given but qtype={qtype.name!r} (kind {qtype.kind!r}) cannot "
-                "hold a zero point; allowed: uniform integer qtypes"
-            )
+        _check_zero_point_allowed(qtype)
         zero_point = jnp.asarray(zero_point)
         _check_zero_point_shape(zero_point.shape, scale.shape)
         qmin, qmax = numerics.int_range(qtype, narrow_range)

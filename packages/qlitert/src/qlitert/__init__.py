@@ -13,7 +13,14 @@ interpreter; :func:`save` writes it atomically.
 from qlitert import converter, qdq, rules
 from qlitert.annotate import Annotated, annotate, calibrate, qat
 from qlitert.calibration import Calibration
-from qlitert.export import ExportError, check_agreement, check_kernels, export, save
+from qlitert.export import (
+    ExportError,
+    check_agreement,
+    check_kernels,
+    check_path,
+    export,
+    save,
+)
 from qlitert.inspection import ModelReport, inspect
 from qlitert.interpreter import UnsupportedOpError
 from qlitert.runtime import LiteRTModel
@@ -32,6 +39,7 @@ __all__ = [
     "calibrate",
     "check_agreement",
     "check_kernels",
+    "check_path",
     "converter",
     "export",
     "inspect",

@@ -250,47 +250,84 @@ def save(path: str | os.PathLike, tflite: bytes, *, overwrite: bool = False) -> 
 
     ``tflite`` is checked first (as :func:`~qlitert.inspect` does), so garbage never
     replaces a model. The bytes go to a temporary file beside ``path``, are synced
-    to disk, and the temporary is renamed over ``path``: a failure at any step
-    leaves ``path`` as it was and no temporary behind. An existing LiteRT model (or
-    an empty file) at ``path`` is replaced; any other file only with
-    ``overwrite=True``; a directory never.
+    to disk, and the temporary is renamed over ``path``
+    (:func:`qcore.files.write_atomic`): a failure at any step leaves ``path`` as it
+    was and no temporary behind. What is at ``path`` is checked as
+    :func:`check_path` says: a previous LiteRT model is replaced only with
+    ``overwrite=True``, anything else never.
 
     Args:
         path: The ``.tflite`` file to write.
         tflite: The flatbuffer bytes (from :func:`export`).
-        overwrite: Replace an existing file that is not a LiteRT model.
+        overwrite: Replace a LiteRT model already at ``path``.
 
     Raises:
         TypeError: If ``tflite`` is not bytes or ``path`` not a path.
-        ValueError: If ``tflite`` is not a valid LiteRT model, ``path`` is a
-            directory, its directory does not exist, or it holds another file and
-            not ``overwrite``.
+        ValueError: If ``tflite`` is not a valid LiteRT model.
+        FileExistsError: If ``path`` holds something :func:`check_path` refuses.
+        FileNotFoundError: If the directory of ``path`` does not exist.
         OSError: If writing fails (``path`` is then unchanged).
     """
     if not isinstance(tflite, bytes | bytearray | memoryview):
         raise TypeError(
             f"tflite is a {type(tflite).__name__}; allowed: the .tflite bytes from export()"
         )
-    if not isinstance(path, str | os.PathLike):
-        raise TypeError(f"path is a {type(path).__name__}; allowed: a str or os.PathLike")
     from_bytes(bytes(tflite), "tflite")
+    return write_atomic(check_path(path, overwrite=overwrite), bytes(tflite))
+
+
+def check_path(path: str | os.PathLike, *, overwrite: bool = False) -> Path:
+    """Checks that :func:`save` may write ``path``; returns it as an absolute path.
+
+    Call it before a long conversion to fail early (``qtorchlike.export_tflite``
+    does). Like every writer of the project, :func:`save` replaces only its own
+    previous output, and only when told to: a LiteRT model at ``path`` (an empty
+    file counts as free) needs ``overwrite=True``; a directory or any other file is
+    never replaced.
+
+    Args:
+        path: The ``.tflite`` file to write.
+        overwrite: Allow replacing a LiteRT model already at ``path``.
+
+    Raises:
+        TypeError: If ``path`` is not a str or ``os.PathLike``, or ``overwrite`` not
+            a bool.
+        FileExistsError: If ``path`` holds a model and ``overwrite`` is False, or
+            holds anything else.
+        FileNotFoundError: If the directory of ``path`` does not exist.
+
+    Example:
+        >>> import tempfile
+        >>> from pathlib import Path
+        >>> notes = Path(tempfile.mkdtemp()) / "notes.txt"
+        >>> _ = notes.write_text("mine")
+        >>> check_path(notes, overwrite=True)
+        Traceback (most recent call last):
+        ...
+        FileExistsError: path='.../notes.txt' holds a file that is not a LiteRT model (...)...
+    """
+    if not isinstance(path, str | os.PathLike):
+        raise TypeError(f"path={path!r} is a {type(path).__name__}; allowed: a str or os.PathLike")
+    if not isinstance(overwrite, bool):
+        raise TypeError(f"overwrite={overwrite!r}; allowed: True or False")
     target = Path(path).absolute()
+    shown = f"path={str(target)!r}"
     if target.is_dir():
-        raise ValueError(f"path={str(target)!r} is a directory; allowed: a .tflite file path")
+        raise FileExistsError(f"{shown} is a directory; allowed: a .tflite file path")
     if not target.parent.is_dir():
-        raise ValueError(f"path={str(target)!r}: its directory does not exist")
-    if target.exists() and not overwrite and not _replaceable(target):
-        raise ValueError(
-            f"path={str(target)!r} exists and is not a LiteRT model (no 'TFL3' identifier); "
-            "pass overwrite=True to replace it"
-        )
-    return write_atomic(target, bytes(tflite))
-
-
-def _replaceable(path: Path) -> bool:
-    """Whether ``path`` is a regular file holding a LiteRT model (or nothing)."""
-    if not path.is_file():
-        return False
-    with open(path, "rb") as f:
-        head = f.read(8)
-    return not head or head[4:8] == b"TFL3"
+        raise FileNotFoundError(f"{shown}: its directory does not exist")
+    if target.exists() or target.is_symlink():
+        if not target.is_file():
+            raise FileExistsError(f"{shown} is not a regular file; it is never replaced")
+        with open(target, "rb") as f:
+            head = f.read(8)
+        if head and head[4:8] != b"TFL3":
+            raise FileExistsError(
+                f"{shown} holds a file that is not a LiteRT model (no 'TFL3' identifier); "
+                "it is never replaced"
+            )
+        if head and not overwrite:
+            raise FileExistsError(
+                f"{shown} already holds a LiteRT model; pass overwrite=True to replace it"
+            )
+    return target

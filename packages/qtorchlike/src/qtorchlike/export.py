@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import os
 import warnings
-from pathlib import Path
 from typing import Any
 
 import jax
@@ -392,16 +391,17 @@ def export_tflite(
     The model's modes, switches and state are as before afterwards, also when the
     export fails. Every argument is checked before converting. ``path`` is written
     only after a successful export, by :func:`qlitert.save`: atomically (a failure
-    leaves the previous file as it was and no temporary behind), replacing an
-    existing ``.tflite`` model, any other file only with ``overwrite=True``, a
-    directory never.
+    leaves the previous file as it was and no temporary behind). A ``.tflite``
+    model already at ``path`` is replaced only with ``overwrite=True``; anything
+    else there is never replaced (:func:`qlitert.check_path`, checked before
+    converting).
 
     Args:
         model: The module, calibrated (see :func:`qtorchlike.calibration_mode`).
         example_input: One input batch (float32), e.g. ``(1, 1, 28, 28)``.
         path: Where to save the ``.tflite`` (optional).
         validate: Check the converted model (qlitert's validation).
-        overwrite: Replace an existing file at ``path`` that is not a ``.tflite`` model.
+        overwrite: Replace a ``.tflite`` model already at ``path``.
 
     Returns:
         The ``.tflite`` flatbuffer.
@@ -412,8 +412,8 @@ def export_tflite(
             ``example_input`` is not a numeric array with at least one dimension,
             ``path`` is not a path, or ``validate``/``overwrite`` is not a bool.
         FileNotFoundError: If ``path``'s directory does not exist.
-        ValueError: If ``path`` is a directory, or an existing file that is not a
-            ``.tflite`` model and ``overwrite`` is not set.
+        FileExistsError: If ``path`` holds a model and ``overwrite`` is not set, or
+            holds anything else.
         qlitert.ExportError: If conversion or validation fails.
 
     Example:
@@ -430,7 +430,6 @@ def export_tflite(
     for name, flag in (("validate", validate), ("overwrite", overwrite)):
         if not isinstance(flag, bool):
             raise TypeError(f"export_tflite({name}={flag!r}): {name} must be True or False")
-    _check_path(path, overwrite)
     try:
         example = np.asarray(example_input)
     except (TypeError, ValueError):  # ragged lists
@@ -446,6 +445,8 @@ def export_tflite(
     if np.issubdtype(example.dtype, np.floating):
         example = example.astype(np.float32)
     qlitert = _import_qlitert()
+    if path is not None:  # before the conversion, to fail early
+        qlitert.check_path(path, overwrite=overwrite)
     switches = _Switches(model)
     before = {**dict(model.named_parameters()), **dict(model.named_buffers())}
     handles = []
@@ -493,34 +494,3 @@ def export_tflite(
     if path is not None:
         qlitert.save(path, tflite, overwrite=overwrite)
     return tflite
-
-
-def _check_path(path: Any, overwrite: bool) -> None:
-    """Checks ``path`` before converting, as :func:`qlitert.save` will when writing."""
-    if path is None:
-        return
-    if not isinstance(path, str | os.PathLike):
-        raise TypeError(
-            f"export_tflite(path={path!r}): path must be a str or os.PathLike (a .tflite file)"
-        )
-    target = Path(path).absolute()
-    if target.is_dir():
-        raise ValueError(
-            f"export_tflite(path={str(path)!r}): {str(target)!r} is a directory; allowed: a "
-            "file path, e.g. model.tflite inside it"
-        )
-    if not target.parent.is_dir():
-        raise FileNotFoundError(
-            f"export_tflite(path={str(path)!r}): the directory {str(target.parent)!r} does "
-            "not exist"
-        )
-    if target.exists() and not overwrite:
-        head = b"?"  # not a regular file: never replaced without overwrite
-        if target.is_file():
-            with open(target, "rb") as f:
-                head = f.read(8)
-        if head and head[4:8] != b"TFL3":
-            raise ValueError(
-                f"export_tflite(path={str(path)!r}): {str(target)!r} exists and is not a "
-                ".tflite model (no 'TFL3' identifier); pass overwrite=True to replace it"
-            )
