@@ -239,7 +239,28 @@ def test_flipped_data_bytes_are_found_unless_verify_is_false(linen, tmp_path):
     assert sum(differ) == 1
 
 
-def test_files_written_without_digests_still_load(linen, tmp_path):
+def test_a_bit_flipped_in_orbax_data_is_found_unless_verify_is_false(linen, tmp_path):
+    _, params, abstract = linen
+    ckpt = checkpoint.save(tmp_path / "ckpt", params)
+    data = ckpt / "params" / "ocdbt.process_0" / "d"
+    largest = max((p for p in data.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+    raw = bytearray(largest.read_bytes())
+    raw[len(raw) // 2] ^= 0x04
+    largest.write_bytes(bytes(raw))
+    assert_rejects(
+        lambda: checkpoint.load(ckpt, abstract),
+        checkpoint.CheckpointError,
+        str(ckpt / "params"),
+        "sha256",
+        "verify=False",
+        unchanged=(tmp_path,),
+    )
+    loaded = checkpoint.load(ckpt, abstract, verify=False)  # the opt-out
+    pairs = zip(jax.tree.leaves(loaded), jax.tree.leaves(params), strict=True)
+    assert sum(not np.array_equal(np.asarray(a), np.asarray(b)) for a, b in pairs) == 1
+
+
+def test_files_without_digests_load_only_with_verify_false(linen, tmp_path):
     from safetensors.numpy import save_file
 
     _, params, abstract = linen
@@ -249,9 +270,25 @@ def test_files_written_without_digests_still_load(linen, tmp_path):
         meta = json.loads(f.metadata()["qflax"])
         tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - not a dict
     assert set(meta["sha256"]) == set(tensors)
-    del meta["sha256"]
+    meta["sha265"] = meta.pop("sha256")  # a renamed key
     save_file(tensors, str(legacy), metadata={"qflax": json.dumps(meta)})
-    assert_identical(checkpoint.import_safetensors(legacy, abstract), params)
+    assert_rejects(lambda: checkpoint.import_safetensors(legacy, abstract),
+                   checkpoint.CheckpointError, str(legacy), "sha256", "verify=False",
+                   unchanged=(tmp_path,))  # fmt: skip
+    assert_identical(checkpoint.import_safetensors(legacy, abstract, verify=False), params)
+
+
+def test_colliding_param_paths_are_refused(linen, tmp_path):
+    _, params, _ = linen
+    x, y = jnp.ones(2), jnp.zeros(2)
+    quantized = params["Dense_0"]["kernel"]  # its qvalue's key is Dense_0/kernel.qvalue
+    for tree, first, second in [
+        ({"a/b": x, "a": {"b": y}}, "['a/b']", "['a']['b']"),
+        ({"Dense_0": {"kernel": quantized, "kernel.qvalue": x}}, "kernel.qvalue", "qvalue"),
+    ]:
+        for write in (checkpoint.export_safetensors, checkpoint.save):
+            assert_rejects(lambda t=tree, w=write: w(tmp_path / "out", t), ValueError,
+                           "params", first, second, "same", unchanged=(tmp_path,))  # fmt: skip
 
 
 def safe_open_numpy(file):
@@ -357,6 +394,37 @@ CASES = [
     ("export-under-a-file", lambda lab: (lab.root / "f").write_text("keep me"),
      lambda lab: checkpoint.export_safetensors(lab.root / "f" / "q.safetensors", lab.params),
      NotADirectoryError, lambda lab: (str(lab.root / "f"), "not a directory")),
+    # -- bad params and rules (nothing is written)
+    ("save-str-leaf", None, lambda lab: checkpoint.save(lab.root / "n", {"a": "hi"}),
+     TypeError, lambda lab: ("params", "['a']", "str", "allowed")),
+    ("save-object-leaf", None, lambda lab: checkpoint.save(lab.root / "n", {"a": object()}),
+     TypeError, lambda lab: ("params", "['a']", "object", "allowed")),
+    ("save-empty", None, lambda lab: checkpoint.save(lab.root / "n", {}),
+     ValueError, lambda lab: ("params", "no arrays")),
+    ("save-int", None, lambda lab: checkpoint.save(lab.root / "n", 5),
+     TypeError, lambda lab: ("params=5", "int")),
+    ("save-rules-str", None,
+     lambda lab: checkpoint.save(lab.root / "n", lab.params, rules="int8"),
+     TypeError, lambda lab: ("rules='int8'", "QuantizationRule")),
+    ("save-rules-int", None, lambda lab: checkpoint.save(lab.root / "n", lab.params, rules=[5]),
+     TypeError, lambda lab: ("rules[0]=5", "QuantizationRule")),
+    ("export-str-leaf", None,
+     lambda lab: checkpoint.export_safetensors(lab.root / "n.safetensors", {"a": "hi"}),
+     TypeError, lambda lab: ("params", "['a']", "str", "allowed")),
+    ("export-object-leaf", None,
+     lambda lab: checkpoint.export_safetensors(lab.root / "n.safetensors", {"a": object()}),
+     TypeError, lambda lab: ("params", "['a']", "object", "allowed")),
+    ("load-abstract-none", None, lambda lab: checkpoint.load(lab.ckpt, None),
+     TypeError, lambda lab: ("abstract=None", "eval_shape")),
+    ("import-abstract-none", None, lambda lab: checkpoint.import_safetensors(lab.st, None),
+     TypeError, lambda lab: ("abstract=None", "eval_shape")),
+    ("load-float-abstract-for-quantized", None,
+     lambda lab: checkpoint.load(lab.ckpt, _with(lab.abstract, Dense_0__kernel=_sds((128, 64)))),
+     E, lambda lab: (str(lab.ckpt), "'Dense_0/kernel'", "quantized", "abstract", "float")),
+    ("import-float-abstract-for-quantized", None,
+     lambda lab: checkpoint.import_safetensors(
+         lab.st, _with(lab.abstract, Dense_0__kernel=_sds((128, 64)))),
+     E, lambda lab: (str(lab.st), "'Dense_0/kernel'", "quantized", "abstract", "float")),
     # -- loading from paths that hold no checkpoint
     ("load-missing", None, lambda lab: checkpoint.load(lab.root / "nope", lab.abstract),
      FileNotFoundError, lambda lab: (str(lab.root / "nope"), "holds no qflax checkpoint")),
@@ -395,6 +463,14 @@ CASES = [
      lambda lab: _json_edit(lab.meta, lambda d: d["rules"][0].update(weight_qtype="banana")),
      lambda lab: checkpoint.load_rules(lab.ckpt),
      E, lambda lab: (str(lab.meta), "rules[0]", "banana")),
+    ("orbax-array-metadata-damaged",
+     lambda lab: _edit(lab.ckpt / "params" / "array_metadatas" / "process_0",
+                       lambda b: b[: len(b) // 2]),
+     lambda lab: checkpoint.load(lab.ckpt, lab.abstract),
+     E, lambda lab: (str(lab.ckpt / "params" / "array_metadatas" / "process_0"),)),
+    ("rules-not-dicts", lambda lab: _json_edit(lab.meta, lambda d: d.update(rules=[5])),
+     lambda lab: checkpoint.load_rules(lab.ckpt),
+     E, lambda lab: (str(lab.meta), "rules[0]", "5", "dict")),
     ("rules-not-a-list", lambda lab: _json_edit(lab.meta, lambda d: d.update(rules="all")),
      lambda lab: checkpoint.load_rules(lab.ckpt),
      E, lambda lab: (str(lab.meta), "rules", "list")),

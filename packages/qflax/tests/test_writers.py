@@ -228,6 +228,17 @@ def test_a_report_plot_never_replaces_other_files(tmp_path):
     notes.write_text("not a picture")
     assert_rejects(lambda: report().plot(notes, overwrite=True), FileExistsError,
                    str(notes), "not a PNG", unchanged=(tmp_path,))  # fmt: skip
+    theirs = tmp_path / "theirs.png"  # a valid PNG someone else made
+    theirs.write_bytes(b"\x89PNG\r\n\x1a\n" + b"\x00\x00\x00\x00IEND\xaeB`\x82")
+    assert_rejects(
+        lambda: report().plot(theirs, overwrite=True),
+        FileExistsError,
+        str(theirs),
+        "not a PNG",
+        "QuantizationReport",
+        unchanged=(tmp_path,),
+    )
+    theirs.unlink()
     png = report().plot(tmp_path / "r.png")
     assert_rejects(lambda: report().plot(png), FileExistsError, str(png), "overwrite=True",
                    unchanged=(tmp_path,))  # fmt: skip

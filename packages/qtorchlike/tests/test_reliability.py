@@ -25,6 +25,7 @@ from qtorchlike.export import export_tflite, integer_state_dict
 from qtorchlike.func import functional_call, train_step
 from qtorchlike.quant import (
     Int4WeightPerGroupFloat,
+    Int8ActPerTensorFixedPoint,
     Int8ActPerTensorFloat,
     Int8Bias,
     Int8WeightPerChannelFloat,
@@ -627,6 +628,26 @@ LOADS = {
         KeyError,
         ("Unexpected keys", "'0.weihgt'", "'0.weight'"),
     ),
+    "a zero learned scale": (
+        lambda m: _sd(m, **{"1__weight_quant__value": np.zeros((2, 1), np.float32)}),
+        ValueError,
+        ("'1.weight_quant.value'", "2 of 2 values", "0.0", "finite and > 0"),
+    ),
+    "a negative learned scale": (
+        lambda m: _sd(m, **{"1__weight_quant__value": np.array([[1.0], [-1.0]], np.float32)}),
+        ValueError,
+        ("'1.weight_quant.value'", "1 of 2 values", "-1.0", "finite and > 0"),
+    ),
+    "an inf learned scale": (
+        lambda m: _sd(m, **{"1__weight_quant__value": np.array([[np.inf], [1.0]], np.float32)}),
+        ValueError,
+        ("'1.weight_quant.value'", "1 of 2 values", "inf", "finite and > 0"),
+    ),
+    "a NaN learned scale": (
+        lambda m: _sd(m, **{"1__weight_quant__value": np.full((2, 1), np.nan, np.float32)}),
+        ValueError,
+        ("'1.weight_quant.value'", "2 of 2 values", "nan", "finite and > 0"),
+    ),
     "not a mapping": (
         lambda m: list(_sd(m).items()),
         TypeError,
@@ -645,6 +666,56 @@ def test_a_bad_state_dict_loads_nothing(case):
         sd["1.bias"] = np.asarray(sd["1.bias"]) + 1
     assert_rejects(
         lambda: model.load_state_dict(sd), error, *fragments, unchanged=(Live(model), sd)
+    )
+
+
+def test_a_key_that_is_not_a_str_loads_nothing():
+    model = _model()
+    sd = {**_sd(model), "1.bias": np.zeros(2, np.float32), 1: np.ones(1)}
+    # (a dict with mixed key types is no pytree, so the model alone is compared)
+    assert_rejects(
+        lambda: model.load_state_dict(sd),
+        TypeError,
+        "key 1",
+        "int",
+        "str",
+        unchanged=(Live(model),),
+    )
+
+
+@pytest.mark.parametrize(
+    "key,bad,allowed",
+    [
+        ("value", 0.0, "finite and > 0"),
+        ("value", -1.0, "finite and > 0"),
+        ("value", np.nan, "finite and > 0"),
+        ("running", -1.0, "finite and >= 0"),
+        ("running", np.inf, "finite and >= 0"),
+    ],
+)
+def test_a_bad_activation_scale_loads_nothing(key, bad, allowed):
+    model = qnn.Sequential(qnn.QuantIdentity())
+    sd = _sd(model, **{f"0__act_quant__{key}": np.float32(bad)})
+    assert_rejects(
+        lambda: model.load_state_dict(sd),
+        ValueError,
+        f"'0.act_quant.{key}'",
+        "1 of 1 value",
+        allowed,
+        unchanged=(Live(model), sd),
+    )
+
+
+def test_a_log_domain_learned_scale_may_be_negative():
+    """A power-of-two scale is stored as log2 of the threshold: -1 is a threshold of 0.5."""
+    ident = qnn.QuantIdentity(act_quant=Int8ActPerTensorFixedPoint, return_quant_tensor=True)
+    ident.load_state_dict({**ident.state_dict(), "act_quant.value": np.float32(-1.0)})
+    ident.act_quant.counter = jnp.asarray(10**6, jnp.int32)  # past the statistics phase
+    out = ident.eval()(jnp.array([0.3, -0.1]))
+    np.testing.assert_allclose(np.asarray(out.scale).ravel(), [0.5 / 128])
+    bad = {**ident.state_dict(), "act_quant.value": np.float32(np.inf)}
+    assert_rejects(
+        lambda: ident.load_state_dict(bad), ValueError, "'act_quant.value'", "log2", "finite"
     )
 
 
@@ -741,6 +812,11 @@ EXPORTS = {
         lambda m, d: export_tflite(m, 1.0),
         TypeError,
         ("example_input=float", "shape ()", "one input batch"),
+    ),
+    "example with a NaN": (
+        lambda m, d: export_tflite(m, np.array([[1.0, np.nan, 2.0]], np.float32)),
+        ValueError,
+        ("example_input", "1 non-finite value", "of 3", "finite"),
     ),
     "validate 'no'": (
         lambda m, d: export_tflite(m, X, validate="no"),

@@ -1,7 +1,8 @@
 """Quantized checkpoints: orbax directories and safetensors files, crash-safe.
 
 :func:`save` writes params (quantized or not) with orbax-checkpoint, plus the
-rules in ``qflax.json``; :func:`load` restores them into the structure of abstract
+rules and a sha256 digest of every param in ``qflax.json``; :func:`load` checks
+the digests and restores them into the structure of abstract
 quantized params (``jax.eval_shape`` of the PTQ model's ``init``) or into an
 abstract NNX PTQ model (``nnx.eval_shape(lambda: quantize_model(...))``), so a
 prequantized checkpoint loads without the float weights ever existing.
@@ -35,6 +36,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import reprlib
 import warnings
 from pathlib import Path
 from typing import Any
@@ -77,8 +79,16 @@ def rules_to_json(rules: list[QuantizationRule] | tuple[QuantizationRule, ...]) 
     """JSON-able form of rules (qtypes by name).
 
     Raises:
+        TypeError: If ``rules`` is not a list or tuple of QuantizationRule.
         ValueError: For a rule whose ``module_path`` is a callable.
     """
+    if not isinstance(rules, list | tuple):
+        raise TypeError(f"rules={rules!r} is a {type(rules).__name__}; allowed: a list of "
+                        "QuantizationRule (or None)")  # fmt: skip
+    for i, rule in enumerate(rules):
+        if not isinstance(rule, QuantizationRule):
+            raise TypeError(f"rules[{i}]={rule!r} is a {type(rule).__name__}; allowed: "
+                            "QuantizationRule")  # fmt: skip
     out = []
     for i, rule in enumerate(rules):
         if callable(rule.module_path):
@@ -120,6 +130,8 @@ def rules_from_json(data: list[dict]) -> list[QuantizationRule]:
         raise ValueError(f"rules must be a list of rule dicts, got {type(data).__name__} {data!r}")
     rules = []
     for i, d in enumerate(data):
+        if not isinstance(d, dict):
+            raise ValueError(f"rules[{i}] is {d!r} (a {type(d).__name__}), not a rule dict")
         try:
             d = dict(d)
             tile = d.get("tile_size")
@@ -146,6 +158,40 @@ def _check_format(meta: Any, where: str) -> dict:
             "qflax, or damaged)"
         )
     return meta
+
+
+_ARRAY_TYPES = (jax.Array, np.ndarray, np.generic, bool, int, float, complex)
+
+
+def _leaves(params: Any, tree: Any) -> list[tuple[str, Any]]:
+    """``(entry key, leaf)`` of the pure tree of ``params``, checked for writing."""
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    if jax.tree_util.treedef_is_leaf(treedef) and leaves:
+        raise TypeError(
+            f"params={reprlib.repr(params)} is a {type(params).__name__}; allowed: "
+            "a pytree (e.g. a dict) of arrays and QuantizedParams, or an NNX model"
+        )
+    if not leaves:
+        raise ValueError(f"params={reprlib.repr(params)} has no arrays; there is nothing to write")
+    seen: dict[str, tuple] = {}
+    for path, leaf in leaves:
+        if not isinstance(leaf, _ARRAY_TYPES):
+            raise TypeError(
+                f"params leaf {jax.tree_util.keystr(path)} is a {type(leaf).__name__} "
+                f"({reprlib.repr(leaf)}); allowed: arrays (jax or numpy) and numbers"
+            )
+        key = _key(path)
+        if key in seen:
+            raise ValueError(
+                f"params {jax.tree_util.keystr(seen[key])} and {jax.tree_util.keystr(path)} map "
+                f"to the same entry {key!r}; rename one of them"
+            )
+        seen[key] = path
+    return [(_key(path), leaf) for path, leaf in leaves]
+
+
+def _digest(leaf: Any) -> str:
+    return hashlib.sha256(np.asarray(jax.device_get(leaf)).tobytes()).hexdigest()
 
 
 def save(
@@ -176,11 +222,16 @@ def save(
         FileExistsError: If ``directory`` holds anything else (a file, a directory
             that is not a checkpoint, a checkpoint with other files added), or a
             checkpoint and ``overwrite`` is False; it is left untouched.
+        TypeError: If ``params`` is not a pytree of arrays (naming the leaf), or
+            ``rules`` not a list of QuantizationRule.
+        ValueError: If ``params`` has no arrays, or two of its paths map to the
+            same entry (e.g. ``{"a/b": x, "a": {"b": y}}``).
     """
     ocp = _orbax()
     target = Path(directory).absolute()
     tree = _pure(params)
-    meta = {"format": FORMAT, "rules": None if rules is None else rules_to_json(rules)}
+    meta = {"format": FORMAT, "rules": None if rules is None else rules_to_json(rules),
+            "sha256": {key: _digest(leaf) for key, leaf in _leaves(params, tree)}}  # fmt: skip
     _files.check_target(target, "directory", overwrite=overwrite, what=_CHECKPOINT,
                         problem=_not_a_checkpoint, directory=True)  # fmt: skip
     with _files.new_directory(target, "directory", _CHECKPOINT) as tmp:
@@ -231,7 +282,7 @@ def _resolve(directory: str | os.PathLike) -> Path:
     raise FileNotFoundError(f"directory={str(directory)!r} holds no qflax checkpoint")
 
 
-def load(directory: str | os.PathLike, abstract: Any) -> Any:
+def load(directory: str | os.PathLike, abstract: Any, *, verify: bool = True) -> Any:
     """Restores a checkpoint into the structure of ``abstract``.
 
     Args:
@@ -239,22 +290,34 @@ def load(directory: str | os.PathLike, abstract: Any) -> Any:
         abstract: Abstract params of the model that will use them (e.g.
             ``jax.eval_shape(qmodel.init, key, x)["params"]``; boxed allowed; leaves
             with a ``sharding`` are restored sharded), or an abstract NNX model.
+        verify: Whether to check every param against the sha256 digest saved
+            with it in ``qflax.json`` (False skips the check, e.g. to rescue a
+            damaged checkpoint).
 
     Returns:
         The params (unboxed), or for an NNX ``abstract`` the model with them.
 
     Raises:
         FileNotFoundError: If ``directory`` holds no checkpoint.
-        CheckpointError: If the checkpoint is damaged, or its params differ from
-            ``abstract``'s (missing or extra params, another dtype or shape: each
-            named by its path).
-        TypeError: If a leaf of ``abstract`` is not an array or ShapeDtypeStruct.
+        CheckpointError: If the checkpoint is damaged (a param whose bytes differ
+            from its digest, no digests, unreadable files), or its params differ
+            from ``abstract``'s (missing or extra params, another dtype or shape,
+            a quantized param where ``abstract`` has a float one: each named by
+            its path).
+        TypeError: If ``abstract`` has no arrays, or a leaf of it is not an
+            array or ShapeDtypeStruct.
     """
     ocp = _orbax()
     path = _resolve(directory)
-    _read_meta(path)
+    meta = _read_meta(path)
     tree = _pure(abstract)  # an NNX model's state as a pure dict
-    wanted = _abstract_leaves(tree)
+    wanted = _abstract_leaves(tree, abstract)
+    digests = meta.get("sha256") if verify else None
+    if verify and not isinstance(digests, dict):
+        raise CheckpointError(
+            f"{path / RULES_FILE} has no sha256 digests of the params (written "
+            "by an older qflax, or edited); verify=False loads it unverified"
+        )
     checkpointer = ocp.Checkpointer(ocp.StandardCheckpointHandler())
     try:
         _check_saved(path / "params", checkpointer, wanted)
@@ -264,11 +327,23 @@ def load(directory: str | os.PathLike, abstract: Any) -> Any:
             raise _unreadable(path / "params", err) from err
     finally:
         checkpointer.close()
+    if digests is not None:
+        for path_, leaf in jax.tree_util.tree_flatten_with_path(restored)[0]:
+            if _digest(leaf) != digests.get(_key(path_)):
+                raise CheckpointError(
+                    f"{path / 'params'}: param {_key(path_)!r} is damaged: its bytes do not match "
+                    f"the sha256 digest saved in {RULES_FILE} (verify=False loads it anyway)"
+                )
     return _into(abstract, restored)
 
 
 def _check_saved(params_dir: Path, checkpointer: Any, wanted: dict) -> None:
     """Raises CheckpointError unless the saved arrays are exactly ``wanted``."""
+    for file in sorted((params_dir / "array_metadatas").glob("*")):  # orbax names only the dir
+        try:
+            json.loads(file.read_bytes())
+        except (UnicodeDecodeError, json.JSONDecodeError) as err:
+            raise CheckpointError(f"{file} is damaged: it is not JSON ({err})") from err
     try:
         saved_tree = checkpointer.metadata(params_dir).item_metadata
     except Exception as err:  # orbax/tensorstore raise many types for damaged data
@@ -294,7 +369,15 @@ def _check_entries(where: str, kind: str, wanted: dict, saved: dict) -> None:
     ``wanted`` maps an entry's key to ``(display name, "dtype[shape]")``, ``saved``
     to ``("dtype[shape]" or None to not compare it, display name)``.
     """
-    missing = [name for k, (name, _) in wanted.items() if k not in saved]
+    missing = [(k, name) for k, (name, _) in wanted.items() if k not in saved]
+    for k, name in missing:
+        if any(_under(s, k) for s in saved):
+            raise CheckpointError(
+                f"{where}: the checkpoint holds a quantized {kind} at {name!r} where the abstract "
+                "tree has a float array: pass the quantized model's abstract params (e.g. "
+                "jax.eval_shape(qmodel.init, key, x)['params'])"
+            )
+    missing = [name for _, name in missing]
     if missing:
         raise CheckpointError(f"{where}: {kind}s missing from the checkpoint: {missing}")
     extra = [name for k, (_, name) in saved.items() if k not in wanted]
@@ -307,6 +390,13 @@ def _check_entries(where: str, kind: str, wanted: dict, saved: dict) -> None:
                 f"{where}: {kind} {name!r} is {saved[k][0]} in the checkpoint, the model "
                 f"expects {want}"
             )
+
+
+def _under(key: Any, prefix: Any) -> bool:
+    """Whether entry ``key`` lies inside ``prefix`` (a quantized param's field)."""
+    if isinstance(key, str):
+        return key.startswith(f"{prefix}.")
+    return len(key) > len(prefix) and key[: len(prefix)] == prefix
 
 
 def _dtype_shape(dtype: Any, shape: Any) -> str:
@@ -326,8 +416,13 @@ def _names(path: tuple) -> tuple[str, ...]:
     return tuple(names)
 
 
-def _abstract_leaves(tree: Any) -> dict:
+def _abstract_leaves(tree: Any, abstract: Any) -> dict:
     """``{names: (display name, "dtype[shape]")}`` of an abstract tree's leaves."""
+    if not jax.tree_util.tree_leaves(tree):
+        raise TypeError(
+            f"abstract={reprlib.repr(abstract)} has no arrays; pass the abstract params of the "
+            "model (e.g. jax.eval_shape(qmodel.init, key, x)['params']) or an abstract NNX model"
+        )
     out = {}
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
         if not (hasattr(leaf, "shape") and hasattr(leaf, "dtype")):
@@ -413,13 +508,16 @@ def export_safetensors(
         FileExistsError: If ``file`` is anything else (a directory, a file that is
             not a qflax safetensors export), or an export and ``overwrite`` is
             False; it is left untouched.
+        TypeError: If ``params`` is not a pytree of arrays (naming the leaf), or
+            ``rules`` not a list of QuantizationRule.
+        ValueError: If ``params`` has no arrays, or two of its paths map to the
+            same entry (``{"a/b": x, "a": {"b": y}}``, or a key ``"kernel.qvalue"``
+            next to a quantized ``kernel``); nothing is written.
     """
     from safetensors.numpy import save_file  # noqa: PLC0415 - optional dependency
 
-    leaves = jax.tree_util.tree_flatten_with_path(_pure(params))[0]
     tensors, dtypes, digests = {}, {}, {}
-    for path, leaf in leaves:
-        key = _key(path)
+    for key, leaf in _leaves(params, _pure(params)):
         a = np.asarray(jax.device_get(leaf))
         if a.dtype.name not in _NATIVE:
             dtypes[key] = a.dtype.name
@@ -498,15 +596,17 @@ def import_safetensors(file: str | os.PathLike, abstract: Any, *, verify: bool =
         file: The safetensors file.
         abstract: Abstract params (see :func:`load`) or an abstract NNX model.
         verify: Whether to check every entry against the sha256 digest saved with
-            it (False skips the hashing, for speed). Files written before digests
-            were recorded load unverified.
+            it (False skips the hashing, for speed). A qflax file without digests
+            (written by an older qflax, or edited) loads only with
+            ``verify=False``; files of other tools (no qflax metadata) load
+            unverified.
 
     Returns:
         The params, or for an NNX ``abstract`` the model with them.
 
     Raises:
-        CheckpointError: For a damaged file (header, metadata, or an entry whose
-            digest differs), a missing or extra entry, or one whose shape or dtype
+        CheckpointError: For a damaged file (header, metadata, no digests, or an
+            entry whose digest differs), a missing or extra entry, or one whose shape or dtype
             differs from the abstract params (naming the file, the entry and both).
         TypeError: If a leaf of ``abstract`` is not an array or ShapeDtypeStruct.
     """
@@ -515,8 +615,13 @@ def import_safetensors(file: str | os.PathLike, abstract: Any, *, verify: bool =
     path = _existing(file)
     meta = _qflax_meta(path)
     dtypes, digests = meta.get("dtypes", {}), meta.get("sha256") if verify else None
+    if verify and meta and not isinstance(digests, dict):
+        raise CheckpointError(
+            f"{path}: the qflax metadata has no sha256 digests (written by an "
+            "older qflax, or edited); verify=False loads it unverified"
+        )
     tree = _pure(abstract)
-    wanted = {name: (name, spec) for name, spec in _abstract_leaves(tree).values()}
+    wanted = {name: (name, spec) for name, spec in _abstract_leaves(tree, abstract).values()}
     out = []
     try:
         with safe_open(str(path), framework="numpy") as f:

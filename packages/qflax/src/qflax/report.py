@@ -417,14 +417,17 @@ class QuantizationReport:
 
         Args:
             path: The PNG file to write (missing parent directories are created).
-            overwrite: Whether an existing PNG file at ``path`` may be replaced.
+            overwrite: Whether a PNG written by this method at ``path`` may be
+                replaced (it is recognised by the ``Software`` text entry that
+                every plot carries).
 
         Returns:
             The written path.
 
         Raises:
-            FileExistsError: If ``path`` exists and is not a PNG file, or is one and
-                ``overwrite`` is False; it is left untouched.
+            FileExistsError: If ``path`` exists and is not a PNG written by this
+                method (any other file or image), or is one and ``overwrite`` is
+                False; it is left untouched.
         """
         out = Path(path)
         _files.check_target(out.absolute(), "path", overwrite=overwrite, what="PNG file",
@@ -466,18 +469,35 @@ class QuantizationReport:
             f"bytes {self.quantized_bytes} / {self.float_bytes} float"
         )
         _files.write_file(
-            out.absolute(), "path", lambda tmp: fig.savefig(tmp, format="png", dpi=100)
+            out.absolute(),
+            "path",
+            lambda tmp: fig.savefig(tmp, format="png", dpi=100, metadata=_PNG_MARKER),
         )
         return out
 
 
+_PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+_PNG_MARKER = {"Software": "qflax QuantizationReport"}  # a tEXt chunk in every plot
+
+
 def _not_a_png(path: Path) -> str | None:
-    """Why ``path`` is not a PNG file that :meth:`QuantizationReport.plot` may replace."""
+    """Why ``path`` is not a PNG that :meth:`QuantizationReport.plot` wrote (None if it is)."""
     if path.is_dir():
         return "it is a directory"
-    with open(path, "rb") as f:
-        head = f.read(8)
-    return None if head == b"\x89PNG\r\n\x1a\n" else "it does not start with the PNG signature"
+    data = path.read_bytes()
+    if not data.startswith(_PNG_SIGNATURE):
+        return "it does not start with the PNG signature"
+    key, value = next(iter(_PNG_MARKER.items()))
+    marker = f"{key}\0{value}".encode("latin-1")
+    pos = len(_PNG_SIGNATURE)
+    while pos + 8 <= len(data):  # chunks: length, type, data, crc
+        size, kind = int.from_bytes(data[pos : pos + 4], "big"), data[pos + 4 : pos + 8]
+        if kind == b"tEXt" and data[pos + 8 : pos + 8 + size] == marker:
+            return None
+        if kind in (b"IDAT", b"IEND"):
+            break
+        pos += 12 + size
+    return f"a PNG without the {key}={value!r} marker that plot writes"
 
 
 def text_table(rows: Sequence[Sequence[str]], left: int) -> list[str]:

@@ -81,8 +81,9 @@ class QuantizationRule:
             share one. None (the default): every axis the op does not contract,
             i.e. one scale per token of a ``(batch, seq, features)`` input, per
             row of a matrix, per example of a convolution's input. ``(0,)``: one
-            scale per example (per sequence), ``()``: one per tensor. Axes out of
-            range for an op's activation raise when the op is met.
+            scale per example (per sequence), ``()``: one per tensor. Naming an
+            axis twice raises; axes out of range for an op's activation, or
+            that the op contracts, raise when the op is met.
         rotation: ``"hadamard"`` rotates the contracting axis of both operands by
             a random-sign block Hadamard matrix before quantizing them (see
             :mod:`qflax.rotation`; ops must contract exactly one axis), or None.
@@ -140,6 +141,10 @@ class QuantizationRule:
                 raise ValueError(
                     f"act_batch_axes={axes!r} must be None (one scale per row) or a sequence "
                     "of ints (activation axes with their own scale)"
+                )
+            if len(set(axes)) < len(axes):
+                raise ValueError(
+                    f"act_batch_axes={tuple(axes)!r} names an axis twice; allowed: distinct axes"
                 )
             set_(self, "act_batch_axes", tuple(axes))
         if self.act_static_scale and self.act_qtype is None:
@@ -201,24 +206,48 @@ class QuantizationRule:
     def act_spec(self, ndim: int, contracting_axes: Sequence[int] = ()) -> HowToQuantize | None:
         """The qcore spec of an activation of rank ``ndim`` (one scale per row or batch index).
 
-        Axes that the op contracts (e.g. the ``b`` of ``"bi,bj->ij"``) share one scale.
+        Axes that the op contracts (e.g. the ``b`` of ``"bi,bj->ij"``) share one scale:
+        with ``act_batch_axes=None`` they are left out, and naming one (or naming an
+        axis twice, e.g. ``(0, -2)`` for rank 2) raises, as does an axis out of range.
         """
         if self.act_qtype is None:
             return None
-        contracting = {a % ndim for a in contracting_axes}
-        axes = range(ndim) if self.act_batch_axes is None else self.act_batch_axes
-        bad = [a for a in axes if not -ndim <= a < ndim]
-        if bad:
-            raise ValueError(
-                f"act_batch_axes={self.act_batch_axes} is out of range for an activation of "
-                f"rank {ndim} (axes {bad}); allowed: axes in {-ndim}..{ndim - 1}"
-            )
-        batch = tuple(sorted({a % ndim for a in axes if a % ndim not in contracting}))
+        contracting = sorted({a % ndim for a in contracting_axes})
+        if self.act_batch_axes is None:
+            batch = tuple(a for a in range(ndim) if a not in contracting)
+        else:
+            batch = self._act_batch(ndim, contracting)
         return HowToQuantize(
             qtype=self.act_qtype,
             channelwise_axes=batch,
             calibration=self.act_calibration_method,
         )
+
+    def _act_batch(self, ndim: int, contracting: list[int]) -> tuple[int, ...]:
+        """``act_batch_axes`` checked against an activation of rank ``ndim``, sorted, >= 0."""
+        axes = cast(tuple[int, ...], self.act_batch_axes)
+        bad = [a for a in axes if not -ndim <= a < ndim]
+        if bad:
+            raise ValueError(
+                f"act_batch_axes={axes} is out of range for an activation of "
+                f"rank {ndim} (axes {bad}); allowed: axes in {-ndim}..{ndim - 1}"
+            )
+        batch = sorted(a % ndim for a in axes)
+        allowed = tuple(a for a in range(ndim) if a not in contracting)
+        named = [a for a in batch if a in contracting]
+        twice = [a for a, b in zip(batch, batch[1:], strict=False) if a == b]
+        if named or twice:
+            what = (
+                f"names axis {', '.join(map(str, named))}, which the op contracts "
+                "(contracted axes share one scale)"
+                if named
+                else f"axis {twice[0]} is named twice"
+            )
+            raise ValueError(
+                f"act_batch_axes={axes}: {what} (activation of rank {ndim}); "
+                f"allowed: axes {allowed} (or a subset, () for one scale per tensor)"
+            )
+        return tuple(batch)
 
     def _tiles(self, ndim: int, contracting: tuple[int, ...]) -> dict[int, int | float]:
         """Tiles by axis; ``contracting``: the axes that may be tiled (already non-negative)."""

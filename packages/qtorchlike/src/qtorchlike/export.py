@@ -411,6 +411,7 @@ def export_tflite(
         TypeError: If ``model`` is not a :class:`qtorchlike.nn.Module`,
             ``example_input`` is not a numeric array with at least one dimension,
             ``path`` is not a path, or ``validate``/``overwrite`` is not a bool.
+        ValueError: If ``example_input`` holds NaN or inf.
         FileNotFoundError: If ``path``'s directory does not exist.
         FileExistsError: If ``path`` holds a model and ``overwrite`` is not set, or
             holds anything else.
@@ -444,6 +445,13 @@ def export_tflite(
         )
     if np.issubdtype(example.dtype, np.floating):
         example = example.astype(np.float32)
+    bad = int(example.size - np.count_nonzero(np.isfinite(example)))
+    if bad:
+        raise ValueError(
+            f"export_tflite(example_input of shape {example.shape}): {bad} non-finite "
+            f"value{'s' if bad != 1 else ''} (NaN or inf) of {example.size}; allowed: finite "
+            "values (the export calibrates on it)"
+        )
     qlitert = _import_qlitert()
     if path is not None:  # before the conversion, to fail early
         qlitert.check_path(path, overwrite=overwrite)

@@ -162,6 +162,30 @@ class _Proxy(Module):
         """Python-level switches a jitted trace depends on."""
         return (self.enabled,)
 
+    def _check_load(self, name: str, value: Any, key: str) -> None:
+        """Rejects a loaded learned scale (``value``) or statistic (``running``) that is unusable.
+
+        ``key`` is the state-dict key, for the message. A log-domain ``value`` (log2
+        of the threshold) may be any finite number; a linear one must be > 0 and a
+        ``running`` statistic >= 0 (0: an all-zero input, scale 1).
+        """
+        if name not in ("value", "running") or isinstance(value, Tracer):
+            return
+        arr = np.asarray(value, np.float64)
+        if name == "value" and _log_param(self.spec):
+            ok, allowed = np.isfinite(arr), "finite values (the log2 of the threshold)"
+        elif name == "value":
+            ok, allowed = np.isfinite(arr) & (arr > 0), "values that are finite and > 0"
+        else:
+            ok, allowed = np.isfinite(arr) & (arr >= 0), "values that are finite and >= 0"
+        if not ok.all():
+            what = "learned scale" if name == "value" else "scale statistic"
+            raise ValueError(
+                f"load_state_dict: {key!r} ({what} of {self.spec.name}) has {int((~ok).sum())} "
+                f"of {arr.size} value{'s' if arr.size != 1 else ''} unusable as a scale "
+                f"(e.g. {arr[~ok].flat[0]}); allowed: {allowed}; nothing was loaded"
+            )
+
     def _site(self) -> str:
         """``'<dotted name>' (<quantizer> of <layer type>)``, for error messages."""
         owner = _owner(self)

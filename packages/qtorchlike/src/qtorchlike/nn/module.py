@@ -323,8 +323,10 @@ class Module:
         ``_after_load(loaded_names)`` runs (quantizers use it to re-initialise
         scales from new weights, see :data:`qtorchlike.config.REINIT_ON_STATE_DICT_LOAD`).
 
-        Non-finite values (NaN, inf) load as they are, as in PyTorch; the weight
-        quantizer that quantizes them raises a ValueError naming the parameter. A
+        Non-finite weights (NaN, inf) load as they are, as in PyTorch; the weight
+        quantizer that quantizes them raises a ValueError naming the parameter.
+        Quantizer scales are checked during the load: a learned scale must be
+        finite and > 0 (finite if stored as log2), a statistic finite and >= 0. A
         quantizer whose learned scale is re-initialised from the loaded weights
         does so during the load, so there the load fails and loads nothing.
 
@@ -339,14 +341,16 @@ class Module:
             The missing and unexpected keys.
 
         Raises:
-            TypeError: ``state_dict`` is not a mapping, ``strict`` not a bool, or a
-                value is not an array of numbers (a string, None, a dict...); the
-                message names the key and the value's type.
+            TypeError: ``state_dict`` is not a mapping, ``strict`` not a bool, a key
+                not a str, or a value not an array of numbers (a string, None, a
+                dict...); the message names the key and its or the value's type.
             KeyError: Missing or unexpected keys under ``strict=True``; the message
                 lists them and the nearest names the model has.
             ValueError: A shape differs from the model's (the message names the key
-                and both shapes), or re-initialising a scale from the loaded weights
-                failed (non-finite weights).
+                and both shapes), a loaded scale is non-finite or not positive (the
+                message names the key and the number of bad values), or
+                re-initialising a scale from the loaded weights failed (non-finite
+                weights).
         """
         if not isinstance(state_dict, Mapping):
             raise TypeError(
@@ -355,6 +359,12 @@ class Module:
             )
         if not isinstance(strict, bool):
             raise TypeError(f"load_state_dict(strict={strict!r}): strict must be True or False")
+        odd = next((k for k in state_dict if not isinstance(k, str)), None)
+        if odd is not None:
+            raise TypeError(
+                f"load_state_dict: key {odd!r} has type {type(odd).__name__}; allowed: str keys "
+                "(dotted names such as '0.weight')"
+            )
         own = self.state_dict()
         missing = [k for k in own if k not in state_dict]
         unexpected = [k for k in state_dict if k not in own]
@@ -365,6 +375,11 @@ class Module:
         if strict and (unexpected or required):
             raise KeyError(_key_error(required, unexpected, list(own)))
         new = {k: _loadable(k, v, own[k]) for k, v in state_dict.items() if k in own}
+        for key, value in new.items():
+            module, _, name = locate(self, key)
+            check = getattr(module, "_check_load", None)  # quantizers check their scales
+            if check is not None:
+                check(name, value, key)
         set_state(self, new)
         try:
             for prefix, module in self.named_modules():
