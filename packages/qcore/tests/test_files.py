@@ -95,6 +95,21 @@ def test_never_replaces_a_directory_or_what_replace_refuses(folder: Path) -> Non
     )
 
 
+def test_never_replaces_a_symbolic_link(folder: Path) -> None:
+    # It used to replace the link by a regular file, leaving its target stale.
+    for link, points_to in (("link.bin", "model.bin"), ("dangling.bin", "missing.bin")):
+        (folder / link).symlink_to(folder / points_to)
+        assert_rejects(
+            lambda link=link: files.write_atomic(folder / link, b"new"),
+            FileExistsError,
+            f"path={str(folder / link)!r}",
+            "is a symbolic link; pass the path it points to",
+            unchanged=(folder,),
+        )
+        assert (folder / link).is_symlink()
+    assert (folder / "model.bin").read_bytes() == b"old model"
+
+
 def test_replace_is_asked_only_about_existing_files(tmp_path: Path) -> None:
     asked: list[Path] = []
     files.write_atomic(tmp_path / "a", b"1", replace=lambda p: asked.append(p) or True)

@@ -335,6 +335,66 @@ REJECTS = [
         ValueError,
         ["zero_point", "'nf4'", "uniform integer"],
     ),
+    (
+        "qa-scale-neg",
+        lambda: QArray(_arr([1, 1], np.int8), -np.ones(1, np.float32), qtype="int8"),
+        ValueError,
+        ["scale", "1 values", "-1", "> 0", "NaN"],
+    ),
+    (
+        "qa-scale-zero",
+        lambda: QArray(_arr([1, 1], np.int8), np.zeros(2, np.float32), qtype="int8"),
+        ValueError,
+        ["scale", "2 values", "0", "> 0"],
+    ),
+    (
+        "qa-scale-inf",
+        lambda: QArray(_arr([1, 1], np.int8), _arr([np.inf, 1], np.float32), qtype="int8"),
+        ValueError,
+        ["scale", "1 values", "inf", "finite"],
+    ),
+    (
+        "zp-range",
+        lambda: quantize_with_scale_zero_point(
+            jnp.ones(3), "int8", jnp.array([1.0]), jnp.array([500])
+        ),
+        ValueError,
+        ["zero_point", "500", "-128..127"],
+    ),
+    (
+        "zp-narrow",
+        lambda: quantize_with_scale_zero_point(
+            jnp.ones(3), "int8", jnp.array([1.0]), jnp.array([-128]), narrow_range=True
+        ),
+        ValueError,
+        ["zero_point", "-128", "-127..127"],
+    ),
+    (
+        "zp-fraction",
+        lambda: quantize_with_scale_zero_point(
+            jnp.ones(3), "uint8", jnp.array([1.0]), jnp.array([0.5])
+        ),
+        ValueError,
+        ["zero_point", "0.5", "integers", "0..255"],
+    ),
+    (
+        "cal-rms-arity",
+        lambda: HowToQuantize(qtype="int8", calibration="rms"),
+        ValueError,
+        ["calibration='rms'", "'rms,<k>'", "'rms,3'", "absmax, minmax"],
+    ),
+    (
+        "cal-absmax-huge",
+        lambda: HowToQuantize(qtype="int8", calibration="absmax,1e39"),
+        ValueError,
+        ["calibration='absmax,1e39'", "1e39", "3.4"],
+    ),
+    (
+        "cal-fixed-huge",
+        lambda: HowToQuantize(qtype="int8", calibration="fixed,-1e39,1"),
+        ValueError,
+        ["'-1e39'", "3.4"],
+    ),
     ("qa-reshape", lambda: Q8.reshape(5, 7), ValueError, ["(4, 8)", "(5, 7)"]),
     ("qa-slice", lambda: Q4T[:, 1:3], ValueError, ["slice", "axis 1", "tiles of 4"]),
     ("qa-transpose", lambda: Q8.transpose(0, 0), ValueError, ["axes=(0, 0)", "permutation"]),
@@ -435,6 +495,24 @@ def test_bad_arguments_are_rejected_clearly(call, error, fragments):
 
 def test_there_are_enough_rejection_cases():
     assert len(REJECTS) >= 55
+
+
+def test_a_nan_scale_is_a_valid_qarray_scale():
+    # A NaN scale marks a block that held a non-finite value (the NaN/Inf policy).
+    q = QArray(_arr([[1, 2], [3, 4]], np.int8), _arr([[np.nan], [0.5]], np.float32), qtype="int8")
+    np.testing.assert_array_equal(np.asarray(dequantize(q)), [[np.nan, np.nan], [1.5, 2.0]])
+
+
+def test_qarray_scale_check_is_skipped_under_tracing():
+    make = jax.jit(lambda s: QArray(jnp.ones(2, jnp.int8), s, qtype="int8").scale)
+    np.testing.assert_array_equal(make(jnp.zeros(1)), 0.0)
+
+
+def test_given_integral_zero_points_in_range_are_kept():
+    x = np.array([0.0, 1.0, 2.0], np.float32)
+    q = quantize_with_scale_zero_point(x, "uint8", jnp.array([1.0]), jnp.array([255.0]))
+    np.testing.assert_array_equal(np.asarray(q.zero_point), [255])
+    np.testing.assert_array_equal(np.asarray(q.qvalue), [255, 255, 255])
 
 
 def test_scale_check_is_skipped_under_tracing():
@@ -811,3 +889,35 @@ def test_scales_outside_the_scale_dtype_never_become_a_finite_stand_in():
     assert s == float(np.finfo(np.float16).tiny)
     err = np.abs(np.asarray(dequantize(q), np.float64) - x.astype(np.float64))
     assert np.all(err <= s / 2 * (1 + 1e-3))
+
+
+# -- documented limits (docs/concepts.md, "Non-finite values and degenerate blocks") ------------
+
+
+def test_limit_asymmetric_values_at_float32_max_can_round_to_inf():
+    x = np.array([F32_MAX, 0.0, -F32_MAX, 1.0], np.float32)
+    sym = np.asarray(dequantize(quantize(x, HowToQuantize(qtype="int8"))), np.float64)
+    assert np.all(np.abs(sym - x.astype(np.float64)) <= F32_MAX / 127 / 2)
+    out = np.asarray(dequantize(quantize(x, HowToQuantize(qtype="int8", symmetric=False))))
+    assert out[2] == -np.inf and np.isfinite(out[[0, 1, 3]]).all()
+
+
+def test_limit_float16_scales_overflow_to_nan_and_underflow_to_zero():
+    how = HowToQuantize(qtype="int8", scale_dtype="float16")
+    f16_max, f16_tiny = float(np.finfo(np.float16).max), float(np.finfo(np.float16).tiny)
+    fits = np.array([f16_max * 127 * 0.99, 1.0], np.float32)
+    assert np.isfinite(np.asarray(dequantize(quantize(fits, how)))).all()
+    big = np.array([f16_max * 127 * 1.01, 1.0], np.float32)
+    assert np.isnan(np.asarray(dequantize(quantize(big, how)))).all()
+    small = np.array([0.99 * f16_tiny / 2, -1e-6, 1e-7], np.float32)
+    np.testing.assert_array_equal(np.asarray(dequantize(quantize(small, how))), 0.0)
+
+
+def test_limit_products_near_float32_max_can_overflow():
+    x = np.array([[3e38, 1.0]], np.float32)
+    w = np.array([[0.5], [0.1]], np.float32)
+    assert np.isfinite(x.astype(np.float64) @ w.astype(np.float64)).all()  # 1.5e38
+    act = quantize(x, HowToQuantize(qtype="int8", channelwise_axes=(0,)))
+    wq = quantize(w, HowToQuantize(qtype="int8", channelwise_axes=(1,)))
+    out = qcore.dot_general(act, wq, (((1,), (0,)), ((), ())))
+    assert np.asarray(out)[0, 0] == np.inf

@@ -198,6 +198,22 @@ def test_save_never_replaces_another_file(tfl, tmp_path, overwrite):
     )  # fmt: skip
 
 
+def test_save_and_check_path_refuse_a_symbolic_link(tfl, tmp_path):
+    target = tmp_path / "real.tflite"
+    qlitert.save(target, tfl)
+    link = tmp_path / "m.tflite"
+    link.symlink_to(target)
+    for call in (
+        lambda: qlitert.check_path(link, overwrite=True),
+        lambda: qlitert.save(link, tfl, overwrite=True),
+    ):
+        assert_rejects(
+            call, FileExistsError, str(link), "is a symbolic link; pass the path it points to",
+            unchanged=(tmp_path,),
+        )  # fmt: skip
+        assert link.is_symlink()
+
+
 def test_save_writes_over_an_empty_file(tfl, tmp_path):
     path = tmp_path / "m.tflite"
     path.touch()

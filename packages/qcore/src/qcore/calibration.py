@@ -40,7 +40,6 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -247,6 +246,15 @@ BUILTINS = (AbsMax, MinMax, Rms, Fixed, Percentile, Mse)
 
 _NAMES = ("absmax", "minmax", "rms", "fixed", "percentile", "mse")
 
+_SYNTAX = {
+    "absmax": "'absmax' or 'absmax,<clip>' (e.g. 'absmax,0.9')",
+    "minmax": "'minmax'",
+    "rms": "'rms,<k>' (e.g. 'rms,3')",
+    "fixed": "'fixed,<lo>,<hi>' (e.g. 'fixed,-6,6')",
+    "percentile": "'percentile,<q>' (e.g. 'percentile,99.9')",
+    "mse": "'mse', 'mse,<steps>' or 'mse,<steps>,<min_ratio>' (e.g. 'mse,64,0.1')",
+}
+
 
 def parse(calibration: str | Calibrator) -> Calibrator:
     """Parses a calibration string (see the module docstring); callables pass through.
@@ -273,15 +281,19 @@ def parse(calibration: str | Calibrator) -> Calibrator:
     except ValueError:
         raise bad(f"arguments {raw} must be numbers") from None
     for a, text in zip(args, raw, strict=True):
-        if not math.isfinite(a):
-            raise bad(f"argument {text!r} is not finite; arguments must be finite numbers")
+        if not abs(a) <= _MAX:  # also NaN; ranges are float32
+            raise bad(
+                f"argument {text!r} is not a finite float32; allowed: numbers with "
+                f"|value| <= {_MAX:.7g}"
+            )
+    if name not in _SYNTAX:
+        raise bad(f"unknown method {name!r}; allowed: {', '.join(_NAMES)}")
     arity = {"absmax": (0, 1), "minmax": (0,), "rms": (1,), "fixed": (2,)}
     arity |= {"percentile": (1,), "mse": (0, 1, 2)}
-    if name not in arity:
-        raise bad(f"unknown method {name!r}; allowed: {', '.join(_NAMES)}")
     if len(args) not in arity[name]:
         raise bad(
-            f"{name!r} takes {' or '.join(map(str, arity[name]))} argument(s), got {len(args)}"
+            f"{name!r} takes {' or '.join(map(str, arity[name]))} argument(s), got "
+            f"{len(args)}; write {_SYNTAX[name]}; methods: {', '.join(_NAMES)}"
         )
     if name == "absmax":
         clip = args[0] if args else 1.0

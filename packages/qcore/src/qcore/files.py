@@ -43,21 +43,26 @@ def write_atomic(
             or ``lambda p: safetensors.numpy.save_file(tensors, p)``); anything it
             raises aborts the write.
         replace: Decides whether an existing file at ``path`` may be replaced (it is
-            given the path). ``None`` replaces any regular file. A directory or other
-            non-file at ``path`` is never replaced.
+            given the path). ``None`` replaces any regular file. A directory, a
+            symbolic link or other non-file at ``path`` is never replaced.
 
     Returns:
         ``path`` as a :class:`~pathlib.Path`.
 
     Raises:
-        FileExistsError: If ``path`` is a directory or another non-file, or an existing
-            file that ``replace`` refuses; nothing is written then.
+        FileExistsError: If ``path`` is a directory, a symbolic link or another
+            non-file, or an existing file that ``replace`` refuses; nothing is
+            written then.
         FileNotFoundError: If the directory of ``path`` does not exist.
         PermissionError: If the directory of ``path`` is not writable (the message
             names the path and the directory).
     """
     target = Path(path)
-    if target.exists() or target.is_symlink():
+    if target.is_symlink():  # replacing it would leave the file it points to stale
+        raise FileExistsError(
+            f"path={str(target)!r} is a symbolic link; pass the path it points to"
+        )
+    if target.exists():
         if not target.is_file():
             raise FileExistsError(f"path={str(target)!r} exists and is not a file; not replaced")
         if replace is not None and not replace(target):

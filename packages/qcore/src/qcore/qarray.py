@@ -274,32 +274,36 @@ def _concrete(a: Any) -> np.ndarray | None:
     return None if isinstance(a, Tracer) else np.asarray(a)
 
 
-def _check_scale_values(scale: Any, name: str = "scale") -> None:
-    """Raises if a concrete, caller-given scale is not finite and > 0."""
+def _check_scale_values(scale: Any, name: str = "scale", *, allow_nan: bool = False) -> None:
+    """Raises if a concrete, caller-given scale is not finite and > 0 (NaN if ``allow_nan``)."""
     s = _concrete(scale)
     if s is None:
         return
-    bad = ~(np.isfinite(s.astype(np.float32)) & (s.astype(np.float32) > 0))
+    s32 = s.astype(np.float32)
+    bad = ~(np.isfinite(s32) & (s32 > 0))
+    if allow_nan:
+        bad &= ~np.isnan(s32)
     if bad.any():
+        nan = " or NaN (a block that held a non-finite value)" if allow_nan else ""
         raise ValueError(
             f"{name} has {int(bad.sum())} values that are not finite and > 0 (first: "
-            f"{s.ravel()[np.argmax(bad.ravel())]}); allowed: finite scales > 0"
+            f"{s.ravel()[np.argmax(bad.ravel())]}); allowed: finite scales > 0{nan}"
         )
 
 
 def _check_codes(name: str, codes: Any, qtype: QType, lo: float, hi: float) -> None:
-    """Raises if concrete ``codes`` fall outside ``[lo, hi]``."""
+    """Raises if concrete ``codes`` are not integers in ``[lo, hi]``."""
     c = _concrete(codes)
     if c is None or c.size == 0:
         return
     c = c.astype(np.float64)
-    bad = (c < lo) | (c > hi) | np.isnan(c)
+    bad = (c < lo) | (c > hi) | (c != np.round(c))  # NaN != NaN: bad too
     if qtype.kind == "binary":
         bad |= c == 0
     if bad.any():
-        allowed = "-1 or 1" if qtype.kind == "binary" else f"{lo:g}..{hi:g}"
+        allowed = "-1 or 1" if qtype.kind == "binary" else f"integers in {lo:g}..{hi:g}"
         raise ValueError(
-            f"{name} holds {int(bad.sum())} codes outside the range of qtype={qtype.name!r} "
+            f"{name} holds {int(bad.sum())} values that are not codes of qtype={qtype.name!r} "
             f"(first: {c.ravel()[np.argmax(bad.ravel())]:g}); allowed: {allowed}"
         )
 
@@ -338,9 +342,9 @@ class QArray:
     Constructing one checks the arguments: ``qvalue`` in the qtype's storage
     dtype, a floating-point ``scale`` and ``dtype``, shapes that fit and, when the
     values are concrete (not under ``jax.jit``), codes and zero points inside the
-    qtype's range; a violation is a ValueError naming the argument, the bad value
-    and the allowed range. A ``NaN`` scale is allowed (a block that held a
-    non-finite value).
+    qtype's range and scales that are finite and > 0; a violation is a ValueError
+    naming the argument, the bad value and the allowed range. A ``NaN`` scale is
+    allowed (a block that held a non-finite value).
     """
 
     __slots__ = ("qvalue", "scale", "zero_point", "tensor_scale", "qtype", "dtype", "packing")
@@ -367,6 +371,9 @@ class QArray:
         qtype = qtypes.get(qtype)
         qvalue, scale = jnp.asarray(qvalue), jnp.asarray(scale)
         _check_float(scale, "scale")
+        _check_scale_values(scale, allow_nan=True)
+        if tensor_scale is not None:
+            _check_scale_values(tensor_scale, "tensor_scale", allow_nan=True)
         dtype = _float_dtype("dtype", dtype if dtype is not None else scale.dtype)
         expected = jnp.dtype(jnp.uint8) if packing is not None else qtype.storage_dtype
         if qvalue.dtype != expected:
@@ -849,9 +856,10 @@ def quantize_with_scale_zero_point(
         x: A floating-point array.
         qtype: Target type.
         scale: Scales following the generic broadcast rule for ``x``'s shape.
-        zero_point: Integral zero points shaped like ``scale`` (uniform integer
-            types only), or None; stored rounded, clipped to the code range, in the
-            codes' dtype.
+        zero_point: Integral zero points in the code range, shaped like ``scale``
+            (uniform integer types only), or None; stored in the codes' dtype.
+            Under ``jax.jit`` (values not concrete) they are rounded and clipped
+            to the code range instead of checked.
         tensor_scale: Per-tensor scale multiplying ``scale`` (nvfp4), or None.
         rounding: See :func:`qcore.numerics.round_values`.
         narrow_range: See :func:`qcore.numerics.int_range`.
@@ -865,7 +873,8 @@ def quantize_with_scale_zero_point(
     Raises:
         ValueError: For a non-float ``x`` or scale, shapes that do not fit, a zero
             point the qtype cannot hold, or (when the values are concrete, not
-            under ``jax.jit``) a scale or tensor scale that is not finite and > 0.
+            under ``jax.jit``) a scale or tensor scale that is not finite and > 0,
+            or a zero point that is not an integer in the code range.
 
     Example:
         >>> import jax.numpy as jnp
@@ -896,6 +905,7 @@ def quantize_with_scale_zero_point(
         zero_point = jnp.asarray(zero_point)
         _check_zero_point_shape(zero_point.shape, scale.shape)
         qmin, qmax = numerics.int_range(qtype, narrow_range)
+        _check_codes("zero_point", zero_point, qtype, qmin, qmax)
         zp32 = jnp.round(zero_point.astype(jnp.float32))  # exact for every int dtype here
         zero_point = jnp.clip(zp32, qmin, qmax).astype(qtype.storage_dtype)
     return _encode(

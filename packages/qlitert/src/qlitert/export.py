@@ -293,7 +293,7 @@ def check_path(path: str | os.PathLike, *, overwrite: bool = False) -> Path:
         TypeError: If ``path`` is not a str or ``os.PathLike``, or ``overwrite`` not
             a bool.
         FileExistsError: If ``path`` holds a model and ``overwrite`` is False, or
-            holds anything else.
+            holds anything else (a symbolic link is never followed or replaced).
         FileNotFoundError: If the directory of ``path`` does not exist.
 
     Example:
@@ -312,11 +312,13 @@ def check_path(path: str | os.PathLike, *, overwrite: bool = False) -> Path:
         raise TypeError(f"overwrite={overwrite!r}; allowed: True or False")
     target = Path(path).absolute()
     shown = f"path={str(target)!r}"
+    if target.is_symlink():
+        raise FileExistsError(f"{shown} is a symbolic link; pass the path it points to")
     if target.is_dir():
         raise FileExistsError(f"{shown} is a directory; allowed: a .tflite file path")
     if not target.parent.is_dir():
         raise FileNotFoundError(f"{shown}: its directory does not exist")
-    if target.exists() or target.is_symlink():
+    if target.exists():
         if not target.is_file():
             raise FileExistsError(f"{shown} is not a regular file; it is never replaced")
         with open(target, "rb") as f:
