@@ -25,7 +25,7 @@ import secrets
 from collections.abc import Callable
 from pathlib import Path
 
-__all__ = ["write_atomic"]
+__all__ = ["fsync", "write_atomic"]
 
 
 def write_atomic(
@@ -77,14 +77,14 @@ def write_atomic(
                 f.write(data)
         if callable(data):
             data(tmp)
-        _fsync(tmp)  # reopened: a writer may have replaced the file at tmp
+        fsync(tmp)  # reopened: a writer may have replaced the file at tmp
         os.replace(tmp, target)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
     with contextlib.suppress(OSError):  # some file systems cannot sync a directory
-        _fsync(directory)  # the rename
+        fsync(directory)  # the rename
     return target
 
 
@@ -101,8 +101,8 @@ def _create_temporary(target: Path) -> tuple[int, Path]:
             raise type(err)(err.errno, message) from err
 
 
-def _fsync(path: Path) -> None:
-    """Flushes a file, or a directory's entries, to disk."""
+def fsync(path: str | os.PathLike) -> None:
+    """Flushes a file, or a directory's entries (e.g. a rename in it), to disk."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)

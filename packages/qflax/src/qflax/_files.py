@@ -18,7 +18,7 @@ import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from qcore.files import write_atomic
+from qcore.files import fsync, write_atomic
 
 
 def check_target(
@@ -102,15 +102,6 @@ def _remove_dirs(created: list[Path]) -> None:
 def _unwritable(target: Path, arg: str, parent: Path, err: OSError) -> OSError:
     message = f"{arg}={str(target)!r}: cannot write in {parent}: {err.strerror or err}"
     return type(err)(message)
-
-
-def fsync(path: Path) -> None:
-    """Flushes a file, or a directory's entries, to disk."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _sync_entries(directory: Path) -> None:
