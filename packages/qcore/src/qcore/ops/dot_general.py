@@ -16,13 +16,18 @@ The contraction is rewritten so that scales never multiply the inputs:
 When the groups would make that intermediate result large (fine scale tiles along
 the contraction, such as one activation scale per input channel; with a symbolic
 batch, when they could), the operands are dequantized and contracted in float32
-instead. So is a weight-only product (one float operand) with many rows (at least
-32, or 1024 for weights over 16 MiB as float32; a symbolic ``jax.export`` batch
-counts as many): it is compute-bound, and one float dot on the dequantized weight
-runs as fast as the float model, where the blocked kernels of
+instead. On the CPU, so is a weight-only product (one float operand) with many rows
+(at least 32, or 1024 for weights over 16 MiB as float32; a symbolic ``jax.export``
+batch counts as many): it is compute-bound, and one float dot on the dequantized
+weight runs as fast as the float model, where the blocked kernels of
 :mod:`qcore.ops.kernels` and the grouped path above cost up to several times more.
 Weight-only products with fewer rows (decoding) take the kernels, which never
 materialise the weight.
+
+Those row thresholds and kernels were measured on XLA:CPU and apply only to products
+traced for the CPU (the default device's platform, else ``jax.default_backend()``).
+Traced for any other backend (GPU, TPU), every product takes the general path above,
+steps 1-4, and leaves fusing the codes' conversion into the dot to XLA.
 
 This equals dequantize-then-contract up to float rounding; apart from the two
 dequantizing cases above, it never materialises a scaled copy of either operand.
@@ -45,7 +50,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from qcore.ops import kernels
+from qcore.ops import _backend, kernels
 from qcore.ops.operand import Operand, as_input, expand, operand, preferred_dtype, promote
 from qcore.qarray import QArray
 
@@ -128,8 +133,11 @@ _LARGE_WEIGHT_BYTES = 16 * 2**20
 
 
 def _dequantize_first(lhs: Any, rhs: Any, dims) -> bool:
-    """Whether a weight-only product should dequantize its QArray and run one float dot."""
-    if isinstance(lhs, QArray) == isinstance(rhs, QArray):
+    """Whether a weight-only product should dequantize its QArray and run one float dot.
+
+    Never off the CPU: the thresholds below were measured on XLA:CPU.
+    """
+    if isinstance(lhs, QArray) == isinstance(rhs, QArray) or _backend.platform() != "cpu":
         return False
     (lc, rc), (lb, rb) = dims
     x, contracting, batch = (rhs, rc, rb) if isinstance(lhs, QArray) else (lhs, lc, lb)

@@ -1,7 +1,9 @@
 """Fast quantized matmul kernels for XLA:CPU (jax 0.10.x), in pure jax.numpy / lax.
 
-:func:`qcore.dot_general` routes 2-D weight matmuls here (see :func:`fast_dot_general`);
-everything else takes the general path of :mod:`qcore.ops.dot_general`. Measured on a
+:func:`qcore.dot_general` routes 2-D weight matmuls here (see :func:`fast_dot_general`)
+when it is traced for the CPU (the default device's platform, else
+``jax.default_backend()``); everything else, and every product traced for another
+backend (GPU, TPU), takes the general path of :mod:`qcore.ops.dot_general`. Measured on a
 2-core AMD EPYC (Zen 5, AVX-512 + VNNI + BF16) with 4096x4096 weights; the numbers are in
 ``benchmarks/README.md``.
 
@@ -41,6 +43,8 @@ import math
 import jax
 import jax.numpy as jnp
 from jax import lax
+
+from qcore.ops import _backend
 
 f32, bf16, i8, i32 = jnp.float32, jnp.bfloat16, jnp.int8, jnp.int32
 
@@ -413,16 +417,19 @@ def _explicitly_sharded(*arrays) -> bool:
 def fast_dot_general(lhs, rhs, dims, precision):
     """The kernel result for ``dot_general(lhs, rhs, dims)``, or None if no kernel applies.
 
-    Applies when ``rhs`` is a 2-D symmetric signed-integer QArray (int2..int8 codes, or
-    int4 packed along K) with one scale per output column (int4 packed: or per tile of K),
-    ``lhs`` contracts its last axis with no batch axes, and ``lhs`` is a float array
-    with a static (not symbolic) row count (weight-only) or a symmetric int8-coded
-    QArray with one scale per row (w8a8). The
+    Applies only when traced for the CPU (the kernels are tuned for XLA:CPU; any
+    other backend gets None), and when ``rhs`` is a 2-D symmetric signed-integer
+    QArray (int2..int8 codes, or int4 packed along K) with one scale per output column
+    (int4 packed: or per tile of K), ``lhs`` contracts its last axis with no batch
+    axes, and ``lhs`` is a float array with a static (not symbolic) row count
+    (weight-only) or a symmetric int8-coded QArray with one scale per row (w8a8). The
     weight may be stored (K, N) ("kn") or (N, K) ("nk", faster: see the module docstring).
     """
     from qcore.qarray import QArray  # local: kernels is imported by qarray users
 
     (lc, rc), (lb, rb) = dims
+    if _backend.platform() != "cpu":
+        return None
     if not isinstance(rhs, QArray) or rhs.ndim != 2 or lb or rb or len(lc) != 1:
         return None
     if _explicitly_sharded(*jax.tree.leaves((lhs, rhs))):
