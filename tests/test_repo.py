@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import ast
+import importlib
+import inspect
+import pkgutil
 import re
 import shlex
+import sys
 import tomllib
 from pathlib import Path
 
@@ -225,3 +229,185 @@ def test_readme_python_examples_run() -> None:
     assert blocks, "README.md should show qcore in a python block"
     for block in blocks:
         exec(compile(block, "README.md", "exec"), {})
+
+
+# -- package boundaries -------------------------------------------------------------------------
+
+# Imports of another package's private module or name that are known and being removed, as
+# (file relative to the repository, dotted private name). The lead's qflax redesign (issue 19)
+# empties this list; the test fails on an entry that is no longer an offender, so that it shrinks.
+PRIVATE_IMPORTS_ALLOWED: set[tuple[str, str]] = set()
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def _dotted(node: ast.AST) -> list[str] | None:
+    """``a.b.c`` as ``["a", "b", "c"]`` (None for anything but names and attributes)."""
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if not isinstance(node, ast.Name):
+        return None
+    return [node.id, *reversed(parts)]
+
+
+def private_uses(tree: ast.AST, own: str | None) -> list[tuple[int, str]]:
+    """``(line, dotted name)`` of every use of another package's private module or name.
+
+    Covers ``import other._x``, ``from other._x import y``, ``from other.x import _y`` and
+    attribute access ``other._x`` / ``alias._y`` on names bound to another package by an import.
+    ``own`` is the package the code belongs to (None: it belongs to none, e.g. examples/).
+    """
+    others = set(PACKAGE_NAMES) - {own}
+    bound: dict[str, str] = {}  # local name -> dotted name in another package
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                parts = alias.name.split(".")
+                if parts[0] in others:
+                    if any(_private(p) for p in parts[1:]):
+                        found.append((node.lineno, alias.name))
+                    bound[alias.asname or parts[0]] = alias.name if alias.asname else parts[0]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            parts = node.module.split(".")
+            if parts[0] not in others:
+                continue
+            for alias in node.names:
+                name = f"{node.module}.{alias.name}"
+                if any(_private(p) for p in [*parts[1:], alias.name]):
+                    found.append((node.lineno, name))
+                bound[alias.asname or alias.name] = name
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and _private(node.attr):
+            chain = _dotted(node)
+            if chain and chain[0] in bound:
+                found.append((node.lineno, ".".join([bound[chain[0]], *chain[1:]])))
+    return sorted(set(found))
+
+
+def source_files() -> list[tuple[Path, str | None]]:
+    """Every Python file of the packages' sources, examples/ and benchmarks/, with its package."""
+    files = [(f, n) for n in PACKAGE_NAMES for f in (PACKAGES_DIR / n / "src").rglob("*.py")]
+    for folder in ("examples", "benchmarks"):
+        files += [(f, None) for f in (ROOT / folder).rglob("*.py")]
+    return sorted(files)
+
+
+def test_no_package_uses_another_packages_private_modules_or_names() -> None:
+    found = set()
+    for path, own in source_files():
+        tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+        for line, name in private_uses(tree, own):
+            found.add((str(path.relative_to(ROOT)), line, name))
+    offenders = sorted(f for f in found if (f[0], f[2]) not in PRIVATE_IMPORTS_ALLOWED)
+    stale = PRIVATE_IMPORTS_ALLOWED - {(f, name) for f, _, name in found}
+    assert not offenders, "private names of another package used (make them public there):\n" + (
+        "\n".join(f"{f}:{line}: {name}" for f, line, name in offenders)
+    )
+    assert not stale, f"PRIVATE_IMPORTS_ALLOWED entries no longer in use: {sorted(stale)}"
+
+
+@pytest.mark.parametrize(
+    ("code", "expected"),
+    [
+        ("import qcore._x", ["qcore._x"]),
+        ("import qcore.numerics as n\nn._TINY", ["qcore.numerics._TINY"]),
+        ("from qcore._x import y", ["qcore._x.y"]),
+        ("from qcore.qarray import _check, ok", ["qcore.qarray._check"]),
+        ("from qcore import qarray\nqarray._check_float(x)", ["qcore.qarray._check_float"]),
+        ("import qcore\nqcore.numerics._MAX", ["qcore.numerics._MAX"]),
+        ("import qlitert._own\nfrom qlitert import _own", []),  # the file's own package
+        ("import qcore\nqcore.numerics.round_values\nx._y\nfrom qcore import __version__", []),
+    ],
+)
+def test_private_uses_finds_each_kind_of_use(code: str, expected: list[str]) -> None:
+    assert [name for _, name in private_uses(ast.parse(code), "qlitert")] == expected
+
+
+# -- public API pins -----------------------------------------------------------------------------
+
+API_DIR = ROOT / "tests" / "api"
+API_HINT = "# Regenerate after a deliberate API change: python tests/test_repo.py --update-api"
+
+
+def public_modules(package: str) -> list[str]:
+    """The package and its submodules whose dotted names have no ``_``-prefixed part."""
+    root = importlib.import_module(package)
+    names = [package]
+    for info in pkgutil.walk_packages(root.__path__, f"{package}.", onerror=lambda _: None):
+        if not any(_private(p) for p in info.name.split(".")):
+            names.append(info.name)
+    return sorted(names)
+
+
+def public_names(module_name: str) -> list[str]:
+    """A module's ``__all__``; without one, the public names it defines (not imports)."""
+    module = importlib.import_module(module_name)
+    if hasattr(module, "__all__"):
+        return sorted(module.__all__)
+    tree = ast.parse(inspect.getsource(module))
+    imported = {
+        alias.asname or alias.name.split(".")[0]
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Import | ast.ImportFrom)
+        for alias in node.names
+    }
+    return sorted(
+        name
+        for name, value in vars(module).items()
+        if not name.startswith("_")
+        and name not in imported
+        and getattr(value, "__module__", module_name) == module_name
+    )
+
+
+def api_lines(package: str) -> list[str]:
+    return [f"{m}.{name}" for m in public_modules(package) for name in public_names(m)]
+
+
+def write_api_pins() -> None:
+    API_DIR.mkdir(exist_ok=True)
+    for package in PACKAGE_NAMES:
+        lines = [API_HINT, *api_lines(package)]
+        (API_DIR / f"{package}.txt").write_text("\n".join(lines) + "\n", encoding="utf-8")
+
+
+def api_diff(package: str, pinned: list[str], current: list[str]) -> str:
+    """The message for a public API that differs from its pin ("" when equal)."""
+    added, removed = sorted(set(current) - set(pinned)), sorted(set(pinned) - set(current))
+    if not added and not removed:
+        return ""
+    return (
+        f"the public API of {package} differs from tests/api/{package}.txt:\n"
+        + "".join(f"  + {n}\n" for n in added)
+        + "".join(f"  - {n}\n" for n in removed)
+        + "If the change is deliberate, run `python tests/test_repo.py --update-api` and "
+        "commit the file; a removed name needs a deprecated alias first if users call it."
+    )
+
+
+@pytest.mark.parametrize("package", PACKAGE_NAMES)
+def test_public_api_is_pinned(package: str) -> None:
+    text = (API_DIR / f"{package}.txt").read_text(encoding="utf-8")
+    pinned = [line for line in text.splitlines() if line and not line.startswith("#")]
+    message = api_diff(package, pinned, api_lines(package))
+    assert not message, message
+
+
+def test_api_pin_fails_with_a_diff_when_a_name_is_added_or_removed() -> None:
+    current = api_lines("qcore")
+    message = api_diff("qcore", [*current[1:], "qcore.gone"], [*current, "qcore.brand_new"])
+    changes = [line for line in message.splitlines() if line.startswith("  ")]
+    assert sorted(changes) == sorted([f"  + {current[0]}", "  + qcore.brand_new", "  - qcore.gone"])
+    assert "tests/api/qcore.txt" in message and "--update-api" in message
+    assert api_diff("qcore", current, current) == ""
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] != ["--update-api"]:
+        sys.exit("usage: python tests/test_repo.py --update-api  (rewrites tests/api/*.txt)")
+    write_api_pins()

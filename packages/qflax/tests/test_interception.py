@@ -1,15 +1,45 @@
 """Op interception: every op is seen, with cold and warm jit caches, on this thread only."""
 
+import sys
 import threading
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
+from flax.core import scope
 from jax import lax
+from jax._src.lax import lax as lax_internal
 
-from qflax import interception
+from qflax._engine import interception
+
+# Functions whose code a block replaces, and their code before any block ran
+# (collected at import, before any test).
+REPLACED = (
+    lax.dot_general,
+    lax.reshape,
+    lax.transpose,
+    lax_internal._convert_element_type,
+    jnp.einsum,
+    jnp.matmul.__wrapped__,
+    jnp.take,
+    scope.Scope.get_variable,
+    nnx.Variable.get_value,
+)
+ORIGINAL_CODE = [f.__code__ for f in REPLACED]
+
+
+def _restored():
+    return all(f.__code__ is code for f, code in zip(REPLACED, ORIGINAL_CODE, strict=True))
+
+
+@pytest.fixture(autouse=True)
+def _every_test_leaves_the_ops_unmodified():
+    yield
+    interception.uninstall()  # test_installing_changes_no_result installs for good
+    assert _restored()
 
 
 class Ops(nn.Module):
@@ -106,14 +136,142 @@ def test_nothing_is_intercepted_outside_the_block_or_on_other_threads():
     assert other_thread_seen == [2.0]
 
 
-def test_blocks_do_not_nest():
-    _, handler = _recording()
+def _tagging(tag, seen):
+    def handler(name, original, args, kwargs):
+        seen.append((tag, name))
+        return original(*args, **kwargs)
+
+    return handler
+
+
+def test_an_inner_block_takes_over_until_it_ends():
+    seen, values = [], []
+    a, b = jnp.ones((2, 3)), jnp.ones((3, 2))
+    with interception.intercept(_tagging("outer", seen), values=_tagging("outer", values)):
+        a @ b
+        with interception.intercept(_tagging("inner", seen)):
+            jnp.einsum("ij,jk->ik", a, b)
+            a.reshape(6)  # the inner block has no value handler
+        lax.dot_general(a, b, (((1,), (0,)), ((), ())))
+        a.reshape(6)
+        assert not _restored()  # the outer block still intercepts
+    assert seen == [("outer", "matmul"), ("inner", "einsum"), ("outer", "dot_general")]
+    assert values == [("outer", "reshape")]
+    assert _restored()
+
+
+def test_a_block_inside_a_handler_intercepts_and_the_handler_stays_uninterrupted():
+    seen = []
+
+    def outer(name, original, args, kwargs):
+        seen.append(("outer", name))
+        with interception.intercept(_tagging("inner", seen)):
+            jnp.dot(args[0], args[1])  # e.g. a handler that runs another quantized model
+        return original(*args, **kwargs)  # ... and its own ops are not intercepted again
+
+    with interception.intercept(outer):
+        out = jnp.ones((2, 3)) @ jnp.ones((3, 2))
+    assert seen == [("outer", "matmul"), ("inner", "dot")]
+    np.testing.assert_array_equal(out, 3.0)
+
+
+def _trampoline_frames(f, *args):
+    """The trampoline code objects Python enters while ``f(*args)`` runs."""
+    entered = []
+
+    def profile(frame, event, arg):
+        if event == "call" and frame.f_code.co_filename.startswith("<qflax interception"):
+            entered.append(frame.f_code.co_name)
+
+    sys.setprofile(profile)
+    try:
+        f(*args)
+    finally:
+        sys.setprofile(None)
+    return entered
+
+
+def _ordinary(x):
+    return (x.reshape(2, 3).T.astype(jnp.bfloat16) @ jnp.ones((2, 4), jnp.bfloat16)).sum()
+
+
+def test_the_ops_are_unmodified_once_the_block_ends():
+    x = jnp.arange(6.0)
+    seen, handler = _recording()
     with interception.intercept(handler):
+        assert not _restored()
+        inside = _trampoline_frames(jax.jit(_ordinary), x)
+    assert seen == ["matmul"]
+    assert {"reshape", "transpose", "_convert_element_type", "matmul"} <= set(inside)
+    assert _restored()
+    assert _trampoline_frames(jax.jit(_ordinary), x) == []  # traced after the block
+    assert _trampoline_frames(_ordinary, x) == []
+
+
+def test_an_exception_in_the_block_restores_the_ops():
+    seen, handler = _recording()
+    with pytest.raises(ValueError, match="model failed"), interception.intercept(handler):
+        jnp.ones((1, 2)) @ jnp.ones((2, 1))
+        raise ValueError("model failed")
+    assert _restored()
+    jnp.ones((1, 2)) @ jnp.ones((2, 1))
+    assert seen == ["matmul"]
+    with interception.intercept(handler):  # and the next block intercepts again
+        jnp.ones((1, 2)) @ jnp.ones((2, 1))
+    assert seen == ["matmul", "matmul"]
+
+
+def test_the_ops_stay_modified_until_the_last_thread_leaves_its_block():
+    seen = []
+    first_in, second_in, first_out = threading.Event(), threading.Event(), threading.Event()
+    errors = []
+
+    def first():
+        with interception.intercept(_tagging("first", seen)):
+            first_in.set()
+            second_in.wait(timeout=60)
+        first_out.set()
+
+    def second():
         try:
-            with interception.intercept(handler):
-                raise AssertionError("nested intercept() must raise")
-        except RuntimeError as err:
-            assert "cannot be nested" in str(err)
+            first_in.wait(timeout=60)
+            with interception.intercept(_tagging("second", seen)):
+                second_in.set()
+                first_out.wait(timeout=60)
+                assert not _restored()
+                jnp.ones((1, 2)) @ jnp.ones((2, 1))
+        except Exception as err:  # noqa: BLE001 - reported by the main thread
+            errors.append(err)
+
+    threads = [threading.Thread(target=first), threading.Thread(target=second)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert errors == []
+    assert seen == [("second", "matmul")]
+    assert _restored()
+
+
+def test_install_lasts_until_uninstall_and_can_be_repeated():
+    seen, handler = _recording()
+    for _ in range(2):
+        interception.install()
+        interception.install()  # idempotent
+        assert not _restored()
+        with interception.intercept(handler):
+            jnp.ones((1, 2)) @ jnp.ones((2, 1))
+        assert not _restored()  # installed until uninstall()
+        np.testing.assert_array_equal(jnp.ones((1, 2)) @ jnp.ones((2, 1)), 2.0)
+        interception.uninstall()
+        assert _restored()
+    with interception.intercept(handler):  # an uninstall() inside a block waits for it
+        interception.install()
+        interception.uninstall()
+        assert not _restored()
+        jnp.ones((1, 2)) @ jnp.ones((2, 1))
+    assert _restored()
+    assert seen == ["matmul"] * 3
 
 
 def test_installing_changes_no_result():

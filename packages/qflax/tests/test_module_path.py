@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import pytest
 from flax import nnx
 
-from qflax import interception, module_path
+from qflax._engine import interception, module_path
 
 
 def _paths_seen(run, resolver):

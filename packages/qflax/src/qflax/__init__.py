@@ -19,20 +19,23 @@ from qflax import (
     calibration,
     checkpoint,
     gptq,
-    interception,
     lora,
     mixed_precision,
-    module_path,
     report,
     rotation,
     smoothquant,
     stats,
 )
-from qflax.interception import OP_NAMES
-from qflax.lora import LoraParam, LoraProvider, LoraRule
-from qflax.model import QuantizedLinen, quantize_model
-from qflax.params import quantize_params
-from qflax.provider import Provider, PtqProvider, QtProvider
+from qflax._engine.dispatch import LookupSite, OpSite
+from qflax._engine.opcall import OpCall
+from qflax._engine.registry import BUILTIN_NAMES as OP_NAMES
+from qflax._engine.registry import OpDef
+from qflax._engine.registry import names as op_names
+from qflax._engine.registry import register as register_op
+from qflax._engine.registry import unregister as unregister_op
+from qflax._model import QuantizedLinen, quantize_model
+from qflax._params import quantize_params
+from qflax.providers import LoraParam, LoraProvider, LoraRule, Provider, PtqProvider, QtProvider
 from qflax.qparam import ActScale, QuantizedParam
 from qflax.rule import QuantizationRule, RuleMatcher
 from qflax.stats import QuantStat
@@ -44,7 +47,11 @@ __all__ = [
     "ActScale",
     "LoraParam",
     "LoraProvider",
+    "LookupSite",
     "LoraRule",
+    "OpCall",
+    "OpDef",
+    "OpSite",
     "Provider",
     "PtqProvider",
     "QtProvider",
@@ -58,14 +65,15 @@ __all__ = [
     "calibration",
     "checkpoint",
     "gptq",
-    "interception",
     "lora",
     "mixed_precision",
-    "module_path",
+    "op_names",
     "quantize_model",
     "quantize_params",
+    "register_op",
     "report",
     "rotation",
     "smoothquant",
     "stats",
+    "unregister_op",
 ]

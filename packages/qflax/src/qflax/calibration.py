@@ -48,7 +48,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import flax.linen as nn
@@ -56,15 +56,18 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from qflax import interception, module_path
-from qflax.context import CallContext, Mode
-from qflax.opcall import OpCall, bind
-from qflax.progress import track
-from qflax.provider import Weight, _weight_recipe, checked_spec
+from qflax._engine import dispatch, interception, registry
+from qflax._engine import flavor as flavors
+from qflax._engine.context import CallContext, Mode
+from qflax._engine.dispatch import LookupSite, OpSite, Weight
+from qflax._engine.opcall import OpCall
+from qflax._progress import track
+from qflax.providers._base import weight_recipe
 from qflax.qparam import QuantizedParam, Recipe
 from qflax.rule import QuantizationRule, RuleMatcher
 
-SUPPORTED_OPS = ("dot_general", "einsum", "dot", "matmul")
+# The built-in ops calibration collects statistics for (the registry's capability).
+SUPPORTED_OPS = registry.names(calibration=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,39 +160,16 @@ def collect(
             that two ops use in different layouts or specs; already-quantized params.
     """
     matcher = RuleMatcher(rules)
-    if isinstance(model, nn.Module):
-        flavor = "linen"
-        if params is None:
-            raise ValueError("a Linen model needs its float params: collect(model, params, ...)")
-        _check_float_params(params)
-        variables = {"params": params}
-
-        def call(variables: Any, args: tuple) -> Any:
-            return model.apply(variables, *args, method=method)
-
-    elif isinstance(model, nnx.Module):
-        flavor = "nnx"
-        if params is not None:
-            raise ValueError(
-                "an NNX model carries its own params: pass params=None (got "
-                f"{type(params).__name__})"
-            )
-        module_path.label_nnx(model)
-        graphdef, variables = nnx.split(model)
-        _check_float_params(nnx.to_pure_dict(variables))
-
-        def call(variables: Any, args: tuple) -> Any:
-            return getattr(nnx.merge(graphdef, variables), method)(*args)
-
-    else:
-        raise ValueError(f"model={type(model).__name__} is neither a flax.linen nor an nnx.Module")
+    flavor = flavors.of(model)
+    _check_float_params(flavor.float_tree(model, params))
+    variables, call = flavor.caller(model, params, method)
 
     sites: dict[str, Site] = {}
 
     def step(variables: Any, acc: dict[str, dict[str, jax.Array]], args: tuple) -> dict:
         ctx = CallContext(flavor, Mode.APPLY)
         found: dict[str, dict[str, jax.Array]] = {}
-        handler = _handler(ctx, matcher, sites, found, hessian)
+        handler = dispatch.handler(ctx, matcher, _Collector(sites, found, hessian))
         with interception.intercept(handler, values=ctx):
             call(variables, args)
         return _add(acc, found)
@@ -253,32 +233,23 @@ def _add(acc: dict, found: dict) -> dict:
     return out
 
 
-def _handler(
-    ctx: CallContext,
-    matcher: RuleMatcher,
-    sites: dict[str, Site],
-    found: dict[str, dict[str, jax.Array]],
-    hessian: bool,
-) -> Callable[[str, Callable[..., Any], tuple, dict], Any]:
-    def handle(name: str, original: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
-        out = original(*args, **kwargs)
-        where = ctx.calling_module()
-        if where is None:
+class _Collector:
+    """A visitor that runs ops float and adds their weights' input statistics to ``found``."""
+
+    def __init__(self, sites: dict[str, Site], found: dict, hessian: bool) -> None:
+        self.sites, self.found, self.hessian = sites, found, hessian
+
+    def visit_lookup(self, ctx: CallContext, site: LookupSite) -> jax.Array:
+        self._check_op(site)
+        return site.run_original()
+
+    def visit_op(self, ctx: CallContext, site: OpSite) -> jax.Array:
+        out = site.run_original()
+        if site.rule.weight_qtype is None:
             return out
-        _, path = where
-        rule = matcher.match(path, name)
-        if rule is None or rule.weight_qtype is None:
-            return out
-        if name not in SUPPORTED_OPS:
-            raise ValueError(
-                f"module {path!r}: a rule selects {name}, which calibration-based PTQ does not "
-                f"handle (supported: {', '.join(SUPPORTED_OPS)}); exclude it with a rule "
-                "without weight_qtype placed before this one, or narrow the module_path"
-            )
-        call = bind(name, original, args, kwargs)
-        if call is None:
-            return out
-        sources = [ctx.source(x) for x in call.operands]
+        self._check_op(site)
+        call, path, name = site.call, site.path, site.op
+        sources = site.sources
         if all(s is None for s in sources):
             return out  # no weight operand (e.g. attention's q @ k): nothing to calibrate
         if all(s is not None for s in sources):
@@ -287,18 +258,19 @@ def _handler(
                 f"({sources[0].path!r}, {sources[1].path!r}); calibration needs an activation"  # type: ignore[union-attr]
             )
         i = 0 if sources[0] is not None else 1
-        source = sources[i]
-        assert source is not None
+        plan = site.plans[i]
+        if not isinstance(plan, Weight):
+            return out  # an integer param the catch-all rule skips
+        source = plan.source
         weight, act = call.operands[i], call.operands[1 - i]
         axis = _contracting_axis(call, i, f"module {path!r}: {name} weight {source.path!r}")
-        spec = checked_spec(
-            lambda: rule.weight_spec(weight.ndim, call.contracting[i]), weight, source.path
-        )
-        recipe = _weight_recipe(Weight(spec, source), weight)
+        # The statistics are of the unrotated weight's input: GPTQ/AWQ/SmoothQuant
+        # quantize weights as stored.
+        recipe = weight_recipe(dataclasses.replace(plan, rotation=None), weight)
         op = f"{path}: {name}"
-        known = sites.get(source.path)
+        known = self.sites.get(source.path)
         if known is None:
-            sites[source.path] = Site(source.path, recipe, axis, (op,))
+            self.sites[source.path] = Site(source.path, recipe, axis, (op,))
         elif (known.recipe, known.axis) != (recipe, axis):
             raise ValueError(
                 f"param {source.path!r} is used by two ops in different layouts or specs "
@@ -307,13 +279,20 @@ def _handler(
                 f"{recipe.transforms}, contracting axis {axis}); give them rules that agree"
             )
         elif op not in known.ops:
-            sites[source.path] = dataclasses.replace(known, ops=(*known.ops, op))
+            self.sites[source.path] = dataclasses.replace(known, ops=(*known.ops, op))
         x = _rows(act, call.contracting[1 - i])
-        new = _batch_stats(x, hessian)
-        found.update(_add(found, {source.path: new}))
+        self.found.update(_add(self.found, {source.path: _batch_stats(x, self.hessian)}))
         return out
 
-    return handle
+    @staticmethod
+    def _check_op(site: OpSite | LookupSite) -> None:
+        if not registry.get(site.op).calibration:
+            supported = registry.names(calibration=True)
+            raise ValueError(
+                f"module {site.path!r}: a rule selects {site.op}, which calibration-based PTQ "
+                f"does not handle (supported: {', '.join(supported)}); exclude it with a rule "
+                "without weight_qtype placed before this one, or narrow the module_path"
+            )
 
 
 def _contracting_axis(call: OpCall, i: int, what: str) -> int:

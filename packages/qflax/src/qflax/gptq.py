@@ -64,10 +64,11 @@ import numpy as np
 from flax import nnx, traverse_util
 
 import qcore
+from qflax._engine import flavor as flavors
+from qflax._engine.layout import box_leaves
+from qflax._params import is_leaf, plain
+from qflax._progress import track
 from qflax.calibration import LayerStats, stats_or_collect
-from qflax.context import box_leaves
-from qflax.params import is_leaf, plain
-from qflax.progress import track
 from qflax.qparam import QuantizedParam, check_finite_weight, to_compute_layout
 from qflax.rule import QuantizationRule
 
@@ -131,12 +132,7 @@ def gptq(
     stats = stats_or_collect(
         stats, model, params, rules, calibration_batches, method=method, progress=progress
     )
-    if isinstance(model, nnx.Module):
-        tree = nnx.to_pure_dict(nnx.state(model, nnx.Param))
-    elif isinstance(model, nn.Module):
-        tree = params
-    else:
-        raise ValueError(f"model={type(model).__name__} is neither a flax.linen nor an nnx.Module")
+    tree = flavors.of(model).float_tree(model, params)
     flat = traverse_util.flatten_dict(plain(tree), is_leaf=lambda _, x: is_leaf(x))
     by_path = {"/".join(str(k) for k in key): key for key in flat}
     out = dict(flat)

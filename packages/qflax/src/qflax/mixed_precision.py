@@ -71,8 +71,8 @@ import numpy as np
 from flax import nnx
 
 import qcore
-from qflax.interception import DEFAULT_OP_NAMES
-from qflax.progress import track
+from qflax._engine.registry import BUILTIN_DEFAULT_NAMES as DEFAULT_OP_NAMES
+from qflax._progress import track
 from qflax.report import OpKey, Runner, Site, db_text, text_table
 from qflax.rule import QuantizationRule, TileSize
 

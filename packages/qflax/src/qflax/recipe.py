@@ -54,10 +54,11 @@ from typing import Any
 import flax.linen as nn
 from flax import nnx, traverse_util
 
+from qflax._engine import flavor as flavors
+from qflax._engine.registry import BUILTIN_DEFAULT_NAMES as DEFAULT_OP_NAMES
+from qflax._params import is_leaf, plain
 from qflax.gptq import gptq
-from qflax.interception import DEFAULT_OP_NAMES
 from qflax.mixed_precision import MixedPrecisionResult, mixed_precision
-from qflax.params import is_leaf, plain
 from qflax.qparam import QuantizedParam
 from qflax.report import Runner, db_text, text_table
 from qflax.rule import TileSize
@@ -217,10 +218,8 @@ def four_bit(
     rtn = Runner(model, params, batches[:1], jit=jit).run(rules).quantized
     if use_gptq and matmul_rules:
         tree = gptq(model, params, matmul_rules, batches, progress=progress)
-    elif isinstance(model, nnx.Module):
-        tree = nnx.to_pure_dict(nnx.state(model, nnx.Param))
     else:
-        tree = params
+        tree = flavors.of(model).float_tree(model, params)
     flat: dict[Any, Any] = traverse_util.flatten_dict(plain(tree), is_leaf=lambda _, x: is_leaf(x))
     for key, value in flat.items():
         path = "/".join(str(k) for k in key)

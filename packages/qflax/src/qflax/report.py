@@ -60,10 +60,13 @@ from flax import nnx, traverse_util
 
 import qcore
 from qflax import _files
-from qflax.model import quantize_model
-from qflax.params import plain
-from qflax.progress import track
-from qflax.provider import PtqProvider, Weight
+from qflax._engine import flavor as flavors
+from qflax._engine.context import CallContext
+from qflax._engine.dispatch import LookupSite, OpSite, Weight
+from qflax._model import quantize_model
+from qflax._params import plain
+from qflax._progress import track
+from qflax.providers._ptq import PtqProvider
 from qflax.qparam import QuantizedParam, stand_in
 from qflax.rule import QuantizationRule
 
@@ -113,25 +116,28 @@ class _Recorder(PtqProvider):
         super().__init__(rules)
         self.sites: dict[OpKey, Site] = {}
 
-    def compute(self, ctx, call, plans, module, path):  # noqa: D102 - see Provider
-        shapes = tuple(tuple(int(d) for d in x.shape) for x in call.operands)
-        self._record(path, call.name, shapes, *plans)
-        return super().compute(ctx, call, plans, module, path)
+    def visit_op(self, ctx: CallContext, site: OpSite) -> jax.Array:
+        """Records the op (if the rule quantizes an operand), then computes it as PTQ."""
+        if site.plans != (None, None):
+            shapes = tuple(tuple(int(d) for d in x.shape) for x in site.call.operands)
+            self._record(site, shapes, *site.plans)
+        return super().visit_op(ctx, site)
 
-    def _record(self, path: str, op_name: str, shapes: tuple, *plans: Any) -> None:
-        rule = self._matcher.match(path, op_name)
-        assert rule is not None
+    def visit_lookup(self, ctx: CallContext, site: LookupSite) -> jax.Array:
+        """Records the lookup, then computes it as PTQ."""
+        call = site.call
+        self._record(site, (tuple(call.table.shape), tuple(call.indices.shape)), site.plan)
+        return super().visit_lookup(ctx, site)
+
+    def _record(self, site: OpSite | LookupSite, shapes: tuple, *plans: Any) -> None:
+        key = (site.path, site.op)
         weights = tuple(p.source.path for p in plans if isinstance(p, Weight))
-        site = self.sites.get((path, op_name))
-        if site is None:
-            self.sites[(path, op_name)] = Site(path, op_name, shapes, weights, rule)
+        known = self.sites.get(key)
+        if known is None:
+            self.sites[key] = Site(site.path, site.op, shapes, weights, site.rule)
         else:
-            merged = site.weights + tuple(w for w in weights if w not in site.weights)
-            self.sites[(path, op_name)] = dataclasses.replace(site, weights=merged)
-
-    def lookup(self, ctx, plan, table, a, path):  # noqa: D102 - see Provider
-        self._record(path, "take", (tuple(table.shape), tuple(a["indices"].shape)), plan)
-        return super().lookup(ctx, plan, table, a, path)
+            merged = known.weights + tuple(w for w in weights if w not in known.weights)
+            self.sites[key] = dataclasses.replace(known, weights=merged)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,29 +188,17 @@ class Runner:
                 "an input array, or a tuple of positional inputs)"
             )
         self.model, self.jit = model, jit
-        if isinstance(model, nn.Module):
-            self.flavor = "linen"
-            if params is None:
-                raise ValueError("a Linen model needs its float params: pass params=...")
-            self.params = nn.meta.unbox(params)
-            self._float_leaves = _flat_params(self.params)
-        elif isinstance(model, nnx.Module):
-            self.flavor = "nnx"
-            if params is not None:
-                raise ValueError(
-                    "an NNX model carries its own params: pass params=None (got "
-                    f"{type(params).__name__})"
-                )
-            self._graphdef, self._state = nnx.split(model)
-            self._float_leaves = _flat_params(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+        self.flavor = flavors.of(model)
+        tree = self.flavor.float_tree(model, params)
+        if self.flavor is flavors.LINEN:
+            self.params = tree = nn.meta.unbox(tree)
         else:
-            raise ValueError(
-                f"model={type(model).__name__} is neither a flax.linen nor an nnx.Module"
-            )
+            self._graphdef, self._state = nnx.split(model)
+        self._float_leaves = _flat_params(tree)
         for path, value in self._float_leaves.items():
             if isinstance(value, QuantizedParam):
                 raise ValueError(f"params[{path!r}] is already quantized; pass float params")
-        if isinstance(model, nn.Module):
+        if self.flavor is flavors.LINEN:
             float_fn = self._compiled(lambda p, args: model.apply({"params": p}, *args))
             self.reference = [_leaves(float_fn(self.params, a)) for a in self.batches]
         else:
@@ -215,7 +209,7 @@ class Runner:
     def _compiled(self, fn: Any) -> Any:
         if not self.jit:
             return fn
-        return jax.jit(fn) if self.flavor == "linen" else nnx.jit(fn)
+        return jax.jit(fn) if self.flavor is flavors.LINEN else nnx.jit(fn)
 
     @property
     def float_params(self) -> dict[str, Any]:
@@ -232,7 +226,7 @@ class Runner:
         provider = _Recorder(rules) if record else PtqProvider(rules)
         noise = 0.0
         quantized: dict[str, QuantizedParam] = {}
-        if self.flavor == "linen":
+        if self.flavor is flavors.LINEN:
             qmodel = quantize_model(self.model, provider)
             fn = self._compiled(
                 lambda p, args: qmodel.apply({"params": p}, *args, mutable=["params"])

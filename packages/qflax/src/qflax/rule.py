@@ -43,7 +43,7 @@ from typing import Any, cast
 
 import qcore
 from qcore import HowToQuantize
-from qflax.interception import DEFAULT_OP_NAMES, OP_NAMES
+from qflax._engine import registry
 
 TileSize = int | float | Mapping[int, int | float] | None
 ROTATIONS = (None, "hadamard")
@@ -60,7 +60,8 @@ class QuantizationRule:
             alternation inside a repeated group, a backreference, more than four
             repeats), since rules are also read from files.
         op_names: Ops the rule applies to, a non-empty selection of
-            :data:`OP_NAMES` (default: every contraction and convolution).
+            :func:`qflax.op_names` (default: every contraction and convolution,
+            and registered ops that are selected by default).
             ``"take"`` (``jnp.take``, e.g. the lookup of ``nn.Embed`` /
             ``nnx.Embed``) must be named to quantize a table: the
             table gets one scale per row (plus ``tile_size`` tiles along the row),
@@ -91,7 +92,9 @@ class QuantizationRule:
     """
 
     module_path: str | Callable[[str], bool] = ".*"
-    op_names: Sequence[str] = DEFAULT_OP_NAMES
+    op_names: Sequence[str] = dataclasses.field(
+        default_factory=lambda: registry.names(default=True)
+    )
     weight_qtype: str | qcore.QType | None = None
     act_qtype: str | qcore.QType | None = None
     tile_size: TileSize = None
@@ -111,12 +114,11 @@ class QuantizationRule:
                 f"module_path={self.module_path!r} must be a regex string or a callable"
             )
         names = (self.op_names,) if isinstance(self.op_names, str) else tuple(self.op_names)
-        unknown = sorted(set(names) - set(OP_NAMES), key=str)
+        known = registry.names()
+        unknown = sorted(set(names) - set(known), key=str)
         if unknown or not names:
             what = f"{unknown} are not ops qflax intercepts" if unknown else "names no op"
-            raise ValueError(
-                f"op_names={names}: {what}; allowed: a non-empty sequence of {OP_NAMES}"
-            )
+            raise ValueError(f"op_names={names}: {what}; allowed: a non-empty sequence of {known}")
         set_(self, "op_names", names)
         for field in ("weight_qtype", "act_qtype"):
             value = getattr(self, field)

@@ -65,7 +65,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from qflax import folding
+from qflax import _folding as folding
 from qflax.calibration import LayerStats, stats_or_collect
 from qflax.rule import QuantizationRule
 

@@ -7,7 +7,8 @@ annotate it (:func:`annotate`) — or annotate its quantization by hand with
 :func:`export` converts it with litert-converter and validates the result
 (integer kernels only, outputs within one step of JAX); :func:`inspect` lists a
 model's ops and tensors; :class:`LiteRTModel` runs it with the LiteRT
-interpreter; :func:`save` writes it atomically.
+interpreter; :func:`save` writes it atomically. :class:`SiteKey` names the
+quantization sites of a :class:`Calibration`.
 """
 
 from qlitert import converter, qdq, rules
@@ -24,6 +25,7 @@ from qlitert.export import (
 from qlitert.inspection import ModelReport, inspect
 from qlitert.interpreter import UnsupportedOpError
 from qlitert.runtime import LiteRTModel
+from qlitert.scopes import SiteKey
 
 __version__ = "0.1.0"
 
@@ -33,6 +35,7 @@ __all__ = [
     "ExportError",
     "LiteRTModel",
     "ModelReport",
+    "SiteKey",
     "UnsupportedOpError",
     "__version__",
     "annotate",

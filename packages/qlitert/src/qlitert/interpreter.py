@@ -144,10 +144,10 @@ class Interpreter:
         return qdq.fake_quant(x, q.scale, q.zero_point, dtype=q.dtype, pool_count=pool_count)
 
     def key(self, eqn: Any | None, label: str) -> str:
-        """The next site's name: its number, label and name stack."""
-        key = f"{self.counter}:{label}@{self.where(eqn)}"
+        """The next site's name: its :class:`~qlitert.scopes.SiteKey`, rendered."""
+        key = scopes.SiteKey(self.counter, label, self.where(eqn))
         self.counter += 1
-        return key
+        return str(key)
 
     def site(
         self, x: Any, eqn: Any | None, label: str, types: rules.OpTypes | None = None

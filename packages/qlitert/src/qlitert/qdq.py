@@ -15,6 +15,13 @@ within one output step: values are rounded half away from zero (TFLite's
 symmetric and narrow-range (``[-127, 127]``) per output channel; activations are
 asymmetric with zero exactly representable (:func:`activation_params`).
 
+Rounding, clipping and the code ranges are qcore's
+(:func:`qcore.numerics.round_values` with ``"away_from_zero"``,
+:func:`qcore.numerics.saturate`, :mod:`qcore.qtypes`); this module keeps what is
+TFLite's: which parameters each tensor kind gets, the order of rounding and zero
+point, average pooling's integer rounding, and the composites the converter
+reads. The scales stay computed here (:func:`range_params`).
+
 Example:
     >>> import numpy as np, jax.numpy as jnp
     >>> from qlitert import qdq
@@ -33,7 +40,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-RANGES = {"i8": (-128, 127), "i16": (-32768, 32767), "i4": (-8, 7)}
+from qcore import numerics, qtypes
+
+# LiteRT's quantized types and the qcore types with their codes.
+QTYPES = {"i8": qtypes.get("int8"), "i16": qtypes.get("int16"), "i4": qtypes.get("int4")}
+RANGES = {name: (int(q.qmin), int(q.qmax)) for name, q in QTYPES.items()}
 STORAGE = {"i8": jnp.int8, "i16": jnp.int16, "i4": jnp.int4}
 
 
@@ -44,8 +55,11 @@ def _check_dtype(dtype: str) -> tuple[int, int]:
 
 
 def round_half_away(v: jax.Array) -> jax.Array:
-    """Rounds to nearest, ties away from zero (C's ``round``, as TFLite rounds)."""
-    return jnp.sign(v) * jnp.floor(jnp.abs(v) + 0.5)
+    """Rounds to nearest, ties away from zero (C's ``round``, as TFLite rounds).
+
+    qcore's :func:`~qcore.numerics.round_values` with ``"away_from_zero"``.
+    """
+    return numerics.round_values(v, "away_from_zero")
 
 
 def activation_params(lo: Any, hi: Any, dtype: str = "i8") -> tuple[np.ndarray, np.ndarray]:
@@ -69,6 +83,10 @@ def range_params(lo: Any, hi: Any, dtype: str, xp: Any = jnp) -> tuple[Any, Any]
 
     QAT computes the parameters from ranges that change during training. A NaN
     or inf bound gives a NaN scale.
+
+    Not :func:`qcore.numerics.scale_from_range`, on purpose: that computes in
+    float32 (``xp=np`` here in float64) and can differ by a unit in the last place
+    of the scale, which moves tie zero points (``[-2, 2]`` gets -1, not 0).
     """
     qmin, qmax = _check_dtype(dtype)
     lo, hi = xp.minimum(lo, 0.0), xp.maximum(hi, 0.0)
@@ -84,7 +102,9 @@ def range_params(lo: Any, hi: Any, dtype: str, xp: Any = jnp) -> tuple[Any, Any]
 def weight_scales(w: Any, axis: int, dtype: str = "i8") -> np.ndarray:
     """Symmetric narrow-range scales, one per index of ``axis`` (``absmax / qmax``).
 
-    A channel holding NaN or inf gets a NaN scale (qlitert's NaN policy).
+    A channel holding NaN or inf gets a NaN scale (qlitert's NaN policy). In
+    numpy: :func:`qcore.numerics.scale_from_range` rounds some scales differently
+    by a unit in the last place (see :func:`range_params`).
     """
     _, qmax = _check_dtype(dtype)
     w = np.asarray(w, np.float32)
@@ -134,7 +154,7 @@ def quantize_dequantize(
         q = _pooled_codes(x, scale, zero_point, pool_count)
     else:
         q = round_half_away(x.astype(jnp.float32) / scale) + zero_point
-    q = jnp.clip(q, qmin, qmax)
+    q = numerics.saturate(q, qmin, qmax)
     return nan_blocks(x, (q - zero_point) * scale, jnp.shape(scale)).astype(x.dtype)
 
 
@@ -229,7 +249,7 @@ def quantize(x: jax.Array, scale: Any, zero_point: Any = None, *, dtype: str = "
     # composite whose decomposition multiplies by a broadcast array constant.
     def decomposition(x: jax.Array, **a: Any) -> jax.Array:
         s, z = float(a["scale"][0]), float(a["zero_point"][0])
-        q = jnp.clip(round_half_away(x.astype(jnp.float32) / s) + z, qmin, qmax)
+        q = numerics.saturate(round_half_away(x.astype(jnp.float32) / s) + z, qmin, qmax)
         return q.astype(STORAGE[dtype])
 
     return jax.lax.composite(decomposition, name="quant.quantize")(x, **attrs)

@@ -12,7 +12,8 @@ threads are unaffected.
 
 :func:`module_path` turns a name stack into the ``/``-joined path that
 :class:`qflax.QuantizationRule` matches (the root's name dropped), the same path
-qflax uses.
+qflax uses. :class:`SiteKey` names a quantization site by its order, its op and
+its name stack.
 
 Example:
     >>> import jax, jax.numpy as jnp
@@ -35,6 +36,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import sys
 from collections.abc import Iterator
 from types import FrameType
@@ -48,6 +50,65 @@ def module_path(name_stack: Any) -> str:
     """The module path of a name stack: ``"Net/blk/proj"`` → ``"blk/proj"``."""
     parts = [p for p in str(name_stack).split("/") if p]
     return "/".join(parts[1:])
+
+
+@dataclasses.dataclass(frozen=True)
+class SiteKey:
+    """The name of a quantization site: where a function's computation is quantized.
+
+    ``str(key)`` (``"<index>:<label>@<name stack>"``) is the site's key in
+    :attr:`qlitert.Calibration.ranges`, in its :meth:`~qlitert.Calibration.state`
+    and in messages; :meth:`parse` reads such a key back.
+
+    Attributes:
+        index: The order in which the function computes the site (from 0).
+        label: What is quantized: the op (``"add"``, ``"dot_general.lhs"``...),
+            ``"input0"``, ``"output0"``...
+        name_stack: The JAX name stack of the op (``"Net/blk/proj"``), ``""`` at
+            the function's boundary.
+
+    Example:
+        >>> from qlitert import SiteKey
+        >>> key = SiteKey.parse("3:add@Net/blk")
+        >>> key.index, key.label, key.module_path, key.scopes
+        (3, 'add', 'blk', ('Net', 'blk'))
+        >>> str(SiteKey(0, "input0"))
+        '0:input0@'
+    """
+
+    index: int
+    label: str
+    name_stack: str = ""
+
+    def __str__(self) -> str:
+        """The key as the calibration shows it: ``"<index>:<label>@<name stack>"``."""
+        return f"{self.index}:{self.label}@{self.name_stack}"
+
+    @property
+    def module_path(self) -> str:
+        """The path of the module that computes the site (:func:`module_path`)."""
+        return module_path(self.name_stack)
+
+    @property
+    def scopes(self) -> tuple[str, ...]:
+        """The named scopes of :attr:`name_stack`, outermost first."""
+        return tuple(p for p in self.name_stack.split("/") if p)
+
+    @classmethod
+    def parse(cls, key: str) -> SiteKey:
+        """The :class:`SiteKey` whose ``str`` is ``key``.
+
+        Raises:
+            ValueError: If ``key`` is not ``"<index>:<label>@<name stack>"``.
+        """
+        index, colon, rest = str(key).partition(":")
+        label, at, stack = rest.partition("@")
+        if not (colon and at and label and index.isdigit()):
+            raise ValueError(
+                f"key={key!r} is not a site key; allowed: '<index>:<label>@<name stack>', "
+                "e.g. '3:add@Net/blk' (the keys of Calibration.ranges)"
+            )
+        return cls(int(index), label, stack)
 
 
 def _attribute_path(parent: object, child: object) -> str:

@@ -29,6 +29,11 @@ Example:
     ((2, 4, 4, 4), (1, 4, 1, 1))
 """
 
+# isort: off
+# nn first: its layers import the proxies, which import nn.module.
+from qtorchlike import nn
+
+# isort: on
 from qtorchlike import (
     config,
     core,
@@ -37,7 +42,6 @@ from qtorchlike import (
     functional,
     inject,
     modes,
-    nn,
     optim,
     quant,
     random,

@@ -36,11 +36,11 @@ import numpy as np
 from jax import extend as jex
 from jax import lax
 
+from qtorchlike._proxy import ActQuantProxy, WeightQuantProxy, to_scale
+from qtorchlike._switches import Switches, check_model, proxies
 from qtorchlike.func import functional_call
-from qtorchlike.modes import _check_model, _proxies, _Switches
+from qtorchlike.nn._quant_layer import QuantWBIOL
 from qtorchlike.nn.module import Module, set_state
-from qtorchlike.nn.quant_layer import QuantWBIOL
-from qtorchlike.proxy import ActQuantProxy, WeightQuantProxy, _to_scale
 from qtorchlike.quant_tensor import QuantTensor
 from qtorchlike.solver import QuantType
 
@@ -56,7 +56,7 @@ def _prefixed(prefix: str, name: str) -> str:
 
 def _act_scale(proxy: ActQuantProxy) -> jax.Array:
     """The evaluation-mode scale of an activation quantizer (no statistics update)."""
-    return _to_scale(jnp.asarray(proxy.threshold(None), jnp.float32), proxy.spec).reshape(())
+    return to_scale(jnp.asarray(proxy.threshold(None), jnp.float32), proxy.spec).reshape(())
 
 
 def _capture_biases(model: Module, args: tuple) -> dict[str, QuantTensor]:
@@ -100,10 +100,10 @@ def _capture_biases(model: Module, args: tuple) -> dict[str, QuantTensor]:
         if id(m) in layers:
             handles += [m.register_forward_pre_hook(enter), m.register_forward_hook(leave)]
             handles.append(m.bias_quant.register_forward_hook(record))
-    switches = _Switches(model)
+    switches = Switches(model)
     try:
         model.eval()
-        for p in _proxies(model):
+        for p in proxies(model):
             if isinstance(p, ActQuantProxy):
                 p.calibrating = False
         model(*args)
@@ -163,7 +163,7 @@ def integer_state_dict(model: Module, example_input: Any = None) -> dict[str, di
             ``input_quant`` nor ``example_input`` gives it, or if a weight or bias
             quantizer has no integer codes (e.g. fp8).
     """
-    _check_model(model, "integer_state_dict")
+    check_model(model, "integer_state_dict")
     captured = _capture_biases(model, (example_input,)) if example_input is not None else {}
     out: dict[str, dict[str, Any]] = {}
     for name, m in model.named_modules():
@@ -320,7 +320,7 @@ class _Sites:
                     break
                 v = source.invars[0]
 
-    def override(self, ranges: dict[str, list[float]]) -> dict[str, list[float]]:
+    def override(self, ranges: dict[str, list[float]], site_key: Any) -> dict[str, list[float]]:
         """Calibrated ranges (one batch) with each mark's range set from its quantizer.
 
         qlitert puts a site of its own on the output of a computing op (an add, a
@@ -328,37 +328,35 @@ class _Sites:
         site on the same tensor. Both get the quantizer's range, which makes the
         two roundings one (the converter merges them into one as well). That
         site is the one just before the mark, with the same observed range.
+
+        ``site_key`` is :class:`qlitert.SiteKey`, which reads the keys.
         """
-        order = sorted(ranges, key=lambda k: int(k.partition(":")[0]))
+        keys = sorted((site_key.parse(k) for k in ranges), key=lambda k: k.index)
+        marks = [_mark_in(k.scopes) for k in keys]
         out = {k: list(v) for k, v in ranges.items()}
-        for i, key in enumerate(order):
-            site = _site_name(key.partition("@")[2])
-            if site is None:
+        for i, (key, mark) in enumerate(zip(keys, marks, strict=True)):
+            if mark is None:
                 continue
-            site_range = list(self.ranges[site.rpartition("#")[0]])
-            out[key] = site_range
-            prev = order[i - 1] if i else None
-            if (
-                prev is not None
-                and _site_name(prev.partition("@")[2]) is None
-                and ranges[prev] == ranges[key]
-            ):
+            site_range = list(self.ranges[mark.rpartition("#")[0]])
+            out[str(key)] = site_range
+            prev = str(keys[i - 1]) if i else None
+            if prev is not None and marks[i - 1] is None and ranges[prev] == ranges[str(key)]:
                 out[prev] = site_range
         return out
 
 
-def _site_name(stack: Any) -> str | None:
-    """The ``name#call`` of a mark from a name stack."""
-    for part in str(stack).split("/"):
-        if part.startswith(_SITE):
-            return part[len(_SITE) :]
+def _mark_in(scopes: Any) -> str | None:
+    """The ``name#call`` of the mark among named scopes, if one is a mark."""
+    for scope in scopes:
+        if scope.startswith(_SITE):
+            return scope[len(_SITE) :]
     return None
 
 
 def _mark_of(eqn: Any) -> str | None:
     if eqn.primitive is not lax.concatenate_p or len(eqn.invars) != 1:
         return None
-    return _site_name(eqn.source_info.name_stack)
+    return _mark_in(str(eqn.source_info.name_stack).split("/"))
 
 
 def export_tflite(
@@ -427,7 +425,7 @@ def export_tflite(
             tflite = export_tflite(model, x, path="model.tflite")
             y = qlitert.LiteRTModel(tflite)(x)  # within one step of model.eval()(x)
     """
-    _check_model(model, "export_tflite")
+    check_model(model, "export_tflite")
     for name, flag in (("validate", validate), ("overwrite", overwrite)):
         if not isinstance(flag, bool):
             raise TypeError(f"export_tflite({name}={flag!r}): {name} must be True or False")
@@ -455,12 +453,12 @@ def export_tflite(
     qlitert = _import_qlitert()
     if path is not None:  # before the conversion, to fail early
         qlitert.check_path(path, overwrite=overwrite)
-    switches = _Switches(model)
+    switches = Switches(model)
     before = {**dict(model.named_parameters()), **dict(model.named_buffers())}
     handles = []
     try:
         model.eval()
-        for p in _proxies(model):
+        for p in proxies(model):
             if isinstance(p, ActQuantProxy):
                 p.calibrating = False
         consts: dict[str, Any] = {}
@@ -476,7 +474,7 @@ def export_tflite(
             if isinstance(proxy, ActQuantProxy) and proxy.enabled:
                 sites.ranges[name] = _site_range(name, proxy)
                 handles.append(proxy.register_forward_hook(sites.hook(name)))
-        for p in _proxies(model):
+        for p in proxies(model):
             p.enabled = False
         switches.plain_outputs()
 
@@ -492,7 +490,7 @@ def export_tflite(
         sites.find_requantizing(pure(), example)
         fn = pure()
         calibration = qlitert.calibrate(fn, [example])
-        calibration.ranges = sites.override(calibration.ranges)
+        calibration.ranges = sites.override(calibration.ranges, qlitert.SiteKey)
         tflite = qlitert.export(qlitert.annotate(fn, calibration), example, validate=validate)
     finally:
         for h in handles:

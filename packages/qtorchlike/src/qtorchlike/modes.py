@@ -44,53 +44,14 @@ import jax
 import jax.numpy as jnp
 from jax.core import Tracer
 
+from qtorchlike._proxy import ActQuantProxy, BiasQuantProxy, WeightQuantProxy
+from qtorchlike._switches import Switches, check_model, proxies
 from qtorchlike.func import functional_call, static_key
+from qtorchlike.nn._quant_layer import QuantWBIOL
 from qtorchlike.nn.module import Module, Parameter, set_state
-from qtorchlike.nn.quant_layer import QuantWBIOL
-from qtorchlike.proxy import ActQuantProxy, BiasQuantProxy, WeightQuantProxy, _Proxy
 from qtorchlike.quant_tensor import QuantTensor
 
 __all__ = ["bias_correction_mode", "calibration_mode", "disable_quant", "jit_forward"]
-
-
-def _check_model(model: Any, fn: str) -> None:
-    if not isinstance(model, Module):
-        raise TypeError(
-            f"{fn}(model={type(model).__name__}): model must be a qtorchlike.nn.Module "
-            "(e.g. a qnn.Sequential of quantized layers)"
-        )
-
-
-class _Switches:
-    """Saves attributes of a model's modules and puts them back.
-
-    Records every module's ``training`` flag, every quantizer proxy's ``enabled``
-    and ``calibrating`` switches and every ``return_quant_tensor`` attribute, so
-    that :meth:`restore` undoes whatever a mode (or the user inside it) changed.
-    """
-
-    def __init__(self, model: Module) -> None:
-        self.saved: list[tuple[Module, str, Any]] = []
-        for m in model.modules():
-            self.saved.append((m, "training", m.training))
-            for attr in ("enabled", "calibrating", "return_quant_tensor"):
-                if attr in m.__dict__:
-                    self.saved.append((m, attr, m.__dict__[attr]))
-
-    def plain_outputs(self) -> None:
-        """Makes every layer return arrays: with quantizers off there are no QuantTensors."""
-        for m, attr, _ in self.saved:
-            if attr == "return_quant_tensor":
-                object.__setattr__(m, attr, False)
-
-    def restore(self) -> None:
-        """Puts every recorded attribute back."""
-        for m, attr, value in self.saved:
-            object.__setattr__(m, attr, value)
-
-
-def _proxies(model: Module) -> list[_Proxy]:
-    return [m for m in model.modules() if isinstance(m, _Proxy)]
 
 
 def _own_state(module: Module) -> dict[str, Any]:
@@ -135,7 +96,7 @@ def jit_forward(model: Module) -> Callable[..., Any]:
         >>> int(model.act_quant.counter)  # the statistics step was written back
         1
     """
-    _check_model(model, "jit_forward")
+    check_model(model, "jit_forward")
 
     @functools.partial(jax.jit, static_argnums=0)
     def run(key: tuple, state: dict[str, Any], args: tuple, kwargs: dict[str, Any]) -> Any:
@@ -194,12 +155,12 @@ def calibration_mode(model: Module) -> Iterator[Callable[..., Any]]:
         >>> int(model[1].act_quant.counter)  # the statistics phase is over
         300
     """
-    _check_model(model, "calibration_mode")
-    switches = _Switches(model)
-    proxies = _proxies(model)
-    collecting = [p for p in proxies if isinstance(p, ActQuantProxy) and p.enabled]
+    check_model(model, "calibration_mode")
+    switches = Switches(model)
+    quantizers = proxies(model)
+    collecting = [p for p in quantizers if isinstance(p, ActQuantProxy) and p.enabled]
     before = {id(p): _own_state(p) for p in collecting}
-    for p in proxies:
+    for p in quantizers:
         if isinstance(p, (WeightQuantProxy, BiasQuantProxy)):
             p.enabled = False
     for p in collecting:
@@ -254,9 +215,9 @@ def disable_quant(model: Module) -> Iterator[None]:
         >>> layer.weight_quant.enabled
         True
     """
-    _check_model(model, "disable_quant")
-    switches = _Switches(model)
-    for p in _proxies(model):
+    check_model(model, "disable_quant")
+    switches = Switches(model)
+    for p in proxies(model):
         p.enabled = False
     switches.plain_outputs()
     try:
@@ -398,12 +359,12 @@ def bias_correction_mode(model: Module, skip_if_no_bias: bool = False) -> Iterat
         >>> layer.bias.shape, bool(np.all(after < 1e-5)), bool(np.all(before > after))
         ((4,), True, True)
     """
-    _check_model(model, "bias_correction_mode")
+    check_model(model, "bias_correction_mode")
     if not isinstance(skip_if_no_bias, bool):
         raise TypeError(
             f"bias_correction_mode(skip_if_no_bias={skip_if_no_bias!r}): must be True or False"
         )
-    switches = _Switches(model)
+    switches = Switches(model)
     state = _BiasCorrection(model)
     handles = [layer.register_forward_hook(state.hook(name)) for name, layer in state.layers]
     handles.append(model.register_forward_pre_hook(state.start_pass))

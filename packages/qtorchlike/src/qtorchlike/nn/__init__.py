@@ -5,14 +5,14 @@ quantizer classes and prefixed overrides; plain blocks (``Sequential``,
 ``Flatten``, ``MaxPool2d``, ``Dropout``) mix in freely.
 """
 
-from qtorchlike.nn.activation import (
+from qtorchlike.nn._activation import (
     QuantHardTanh,
     QuantIdentity,
     QuantReLU,
     QuantSigmoid,
     QuantTanh,
 )
-from qtorchlike.nn.containers import (
+from qtorchlike.nn._containers import (
     AvgPool2d,
     Dropout,
     Flatten,
@@ -22,14 +22,14 @@ from qtorchlike.nn.containers import (
     ReLU,
     Sequential,
 )
-from qtorchlike.nn.conv import QuantConv1d, QuantConv2d
-from qtorchlike.nn.conv_transpose import QuantConvTranspose2d
-from qtorchlike.nn.embedding import QuantEmbedding
-from qtorchlike.nn.linear import QuantLinear
-from qtorchlike.nn.merge import QuantCat, QuantEltwiseAdd
+from qtorchlike.nn._conv import QuantConv1d, QuantConv2d
+from qtorchlike.nn._conv_transpose import QuantConvTranspose2d
+from qtorchlike.nn._embedding import QuantEmbedding
+from qtorchlike.nn._linear import QuantLinear
+from qtorchlike.nn._merge import QuantCat, QuantEltwiseAdd
+from qtorchlike.nn._pool import TruncAvgPool2d
+from qtorchlike.nn._upsample import QuantUpsample, QuantUpsamplingNearest2d
 from qtorchlike.nn.module import IncompatibleKeys, Module, Parameter, RemovableHandle
-from qtorchlike.nn.pool import TruncAvgPool2d
-from qtorchlike.nn.upsample import QuantUpsample, QuantUpsamplingNearest2d
 
 __all__ = [
     "AvgPool2d",

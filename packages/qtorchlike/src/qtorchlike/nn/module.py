@@ -46,6 +46,8 @@ import numpy as np
 
 from qtorchlike import config
 
+__all__ = ["IncompatibleKeys", "Module", "Parameter", "RemovableHandle", "set_state"]
+
 
 class ParameterBox:
     """Marks an array as a trainable parameter when assigned to a module attribute.

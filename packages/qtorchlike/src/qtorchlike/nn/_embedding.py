@@ -10,8 +10,8 @@ import numpy as np
 from jax.core import Tracer
 
 from qtorchlike import random
+from qtorchlike.nn._quant_layer import check_bool, split_kwargs, weight_proxy
 from qtorchlike.nn.module import Module, Parameter
-from qtorchlike.nn.quant_layer import check_bool, split_kwargs, weight_proxy
 from qtorchlike.quant import Int8WeightPerTensorFloat
 from qtorchlike.quant_tensor import QuantTensor
 

@@ -5,10 +5,11 @@ The contract::
     with intercept(handler):
         out = model_call(...)
 
-Inside the block, on the calling thread only, every call of ``lax.dot_general``,
+Inside the block, on the calling thread only, every call of a function that an
+op of :mod:`qflax._engine.registry` names (built in: ``lax.dot_general``,
 ``jnp.einsum``, ``jnp.dot``, ``jnp.matmul`` (and so the ``@`` operator),
 ``lax.conv_general_dilated``, ``lax.ragged_dot``, ``jnp.take`` and array indexing
-(``x[idx]``, ``x.at[idx].get()``; both reported as ``"take"``) becomes
+(``x[idx]``, ``x.at[idx].get()``; both reported as ``"take"``)) becomes
 ``handler(op_name, original, args, kwargs)``, whose return value is the op's
 result (``original(*args, **kwargs)`` runs the unmodified op). Ops called while a
 handler runs (e.g. the ``dot_general`` inside ``einsum``, or qcore's own ops) are
@@ -31,15 +32,22 @@ their result. Providers use it to hand modules a stand-in for a quantized weight
 and to recognise that stand-in (cast or reshaped) when it reaches an op. Value
 calls made inside either handler are not reported.
 
-How (and why it does not depend on JAX's trace cache): each op function gets its
-code object replaced, once, by a trampoline with the same signature that consults
-a thread-local handler, so every alias of the function (``nn.Dense``'s default
-``dot_general``, ``jax.lax.dot_general``, ``jnp.einsum``'s internal reference)
-sees it. ``jnp.matmul``, ``jnp.dot`` and ``einsum``'s inner ``dot_general`` run
-inside jitted wrappers whose cached traces would skip any Python-level hook, so
-the block runs under ``jax.disable_jit()``: the wrappers' Python bodies run every
-time, while an outer ``jax.jit`` around the model call still compiles the whole
-model into one computation.
+Blocks nest: inside an inner block (also one opened by a handler) its handlers
+replace the outer block's, which take over again when it ends.
+
+How (and why it does not depend on JAX's trace cache): while at least one block
+is open, on any thread, each op function's code object is replaced by a
+trampoline with the same signature that consults a thread-local handler, so every
+alias of the function (``nn.Dense``'s default ``dot_general``,
+``jax.lax.dot_general``, ``jnp.einsum``'s internal reference) sees it. When the
+last open block ends, every function gets its original code object back, so code
+outside quantized calls runs JAX's functions unmodified and pays nothing (the
+trampolines are made once and reused by later blocks). ``jnp.matmul``,
+``jnp.dot`` and ``einsum``'s inner ``dot_general`` run inside jitted wrappers
+whose cached traces would skip any Python-level hook, so the block runs under
+``jax.disable_jit()``: the wrappers' Python bodies run every time, while an outer
+``jax.jit`` around the model call still compiles the whole model into one
+computation.
 """
 
 from __future__ import annotations
@@ -58,26 +66,12 @@ import numpy as np
 from flax import nnx
 from flax.core import scope as _scope
 from flax.typing import MISSING, Missing
-from jax._src.lax import convolution as _convolution
 from jax._src.lax import lax as _lax
-from jax._src.numpy import indexing as _indexing
+
+from qflax._engine import registry
 
 Handler = Callable[[str, Callable[..., Any], tuple, dict], Any]
 
-OP_NAMES: tuple[str, ...] = (
-    "dot_general",
-    "einsum",
-    "dot",
-    "matmul",
-    "conv_general_dilated",
-    "ragged_dot",
-    "take",
-)
-# The ops a rule applies to unless it names others: every contraction and
-# convolution. Table lookups ("take": ``jnp.take``, as ``nn.Embed`` calls it, and
-# indexing ``table[ids]``) are quantized only by rules that name them, so existing
-# rules keep tables float.
-DEFAULT_OP_NAMES: tuple[str, ...] = OP_NAMES[:-1]
 VALUE_NAMES: tuple[str, ...] = (
     "linen_get_variable",
     "linen_put_variable",
@@ -89,8 +83,18 @@ VALUE_NAMES: tuple[str, ...] = (
 
 _DISPATCH = "__qflax_intercept__"
 _state = threading.local()
+# Guards the installation state below.
 _install_lock = threading.Lock()
+# (op name, copy of the function with its original code) for every trampoline ever
+# made, at the index the trampoline passes to ``_dispatch``. Only appended to: a call
+# already inside a trampoline when its function is restored still finds its original.
 _originals: list[tuple[str, Callable[..., Any]]] = []
+# function -> (op name, original code, trampoline code): trampolines are made once.
+_trampolines: dict[types.FunctionType, tuple[str, types.CodeType, types.CodeType]] = {}
+# (function, original code) of the functions now running a trampoline.
+_installed: list[tuple[types.FunctionType, types.CodeType]] = []
+_open_blocks = 0  # intercept() blocks open, on all threads
+_pinned = False  # install() was called and uninstall() was not since
 
 
 def _targets() -> list[tuple[str, types.FunctionType]]:
@@ -102,15 +106,8 @@ def _targets() -> list[tuple[str, types.FunctionType]]:
             raise TypeError(f"cannot intercept {f!r}: not a Python function")
         return f
 
-    targets = [
-        ("dot_general", python_function(_lax.dot_general)),
-        ("ragged_dot", python_function(_lax.ragged_dot)),
-        ("conv_general_dilated", python_function(_convolution.conv_general_dilated)),
-        ("einsum", python_function(jnp.einsum)),
-        ("matmul", python_function(jnp.matmul)),
-        ("dot", python_function(jnp.dot)),
-        ("take", python_function(jnp.take)),
-        ("take", python_function(_indexing.rewriting_take)),
+    targets = [(op.name, python_function(f)) for op in registry.ops() for f in op.targets()]
+    targets += [
         ("linen_get_variable", python_function(_scope.Scope.get_variable)),
         ("linen_put_variable", python_function(_scope.Scope.put_variable)),
         ("nnx_get_value", python_function(nnx.Variable.get_value)),
@@ -226,45 +223,130 @@ def _indexed_read(args: tuple, kwargs: dict) -> bool:
     return isinstance(index, jax.Array | np.ndarray) and jnp.issubdtype(index.dtype, jnp.integer)
 
 
-def install() -> None:
-    """Replaces the op functions' code with trampolines (idempotent, thread-safe).
+def _trampoline(name: str, f: types.FunctionType) -> types.CodeType:
+    """``f``'s trampoline code, made on first use (and again if ``f``'s code changed)."""
+    made = _trampolines.get(f)
+    if made is None or made[0] != name or made[1] is not f.__code__:
+        copy = types.FunctionType(
+            f.__code__, f.__globals__, f.__name__, f.__defaults__, f.__closure__
+        )
+        copy.__kwdefaults__ = f.__kwdefaults__
+        copy.__dict__.update(f.__dict__)
+        _originals.append((name, copy))
+        made = (name, f.__code__, _trampoline_code(f, len(_originals) - 1))
+        _trampolines[f] = made
+    return made[2]
 
-    Until a thread enters :func:`intercept`, the trampolines call the original
-    code, so installing changes no result.
-    """
-    with _install_lock:
-        if _originals:
-            return
-        targets = _targets()
-        for index, (name, f) in enumerate(targets):
-            copy = types.FunctionType(
-                f.__code__, f.__globals__, f.__name__, f.__defaults__, f.__closure__
-            )
-            copy.__kwdefaults__ = f.__kwdefaults__
-            copy.__dict__.update(f.__dict__)
-            _originals.append((name, copy))
+
+def _install_locked() -> None:
+    if _installed:
+        return
+    try:
+        for name, f in _targets():
+            trampoline = _trampoline(name, f)
             f.__globals__[_DISPATCH] = _dispatch
-            f.__code__ = _trampoline_code(f, index)
+            _installed.append((f, f.__code__))
+            f.__code__ = trampoline
+        registry.frozen.set()
+    except BaseException:
+        _uninstall_locked()
+        raise
+
+
+def _uninstall_locked() -> None:
+    for f, code in _installed:
+        f.__code__ = code
+    _installed.clear()
+    registry.frozen.clear()
+
+
+def install() -> None:
+    """Replaces the op functions' code with trampolines until :func:`uninstall`.
+
+    :func:`intercept` installs them itself for as long as a block is open; this
+    keeps them installed in between as well (idempotent, thread-safe). Outside
+    blocks the trampolines call the original code, so installing changes no result.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from qflax._engine import interception
+        >>> interception.install()
+        >>> jnp.einsum.__code__.co_filename
+        '<qflax interception of einsum>'
+        >>> interception.uninstall()
+        >>> jnp.einsum.__code__.co_filename.startswith("<qflax")
+        False
+    """
+    global _pinned
+    with _install_lock:
+        _install_locked()
+        _pinned = True
+
+
+def uninstall() -> None:
+    """Undoes :func:`install`: restores the op functions' original code objects.
+
+    Blocks still open keep the trampolines until the last of them ends. Idempotent
+    and thread-safe.
+    """
+    global _pinned
+    with _install_lock:
+        _pinned = False
+        if not _open_blocks:
+            _uninstall_locked()
+
+
+@contextlib.contextmanager
+def _open_block() -> Iterator[None]:
+    """Counts an open block: installs on the first, restores after the last."""
+    global _open_blocks
+    with _install_lock:
+        _install_locked()
+        _open_blocks += 1
+    try:
+        yield
+    finally:
+        with _install_lock:
+            _open_blocks -= 1
+            if not (_open_blocks or _pinned):
+                _uninstall_locked()
 
 
 @contextlib.contextmanager
 def intercept(handler: Handler, *, values: Handler | None = None) -> Iterator[None]:
     """Routes this thread's op calls to ``handler`` inside the block (see the module doc).
 
+    Blocks nest: an inner block's handlers replace the outer block's until it ends.
+    The op functions run trampolines only while a block is open, on any thread.
+
     Args:
-        handler: Called for every op in :data:`OP_NAMES`.
+        handler: Called for every op of the registry.
         values: Called for every value read or transform in :data:`VALUE_NAMES`;
             None lets them run unmodified.
 
-    Raises:
-        RuntimeError: If this thread is already inside an ``intercept`` block.
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from qflax._engine import interception
+        >>> def doubled(name, original, args, kwargs):
+        ...     print(name)
+        ...     return 2 * original(*args, **kwargs)
+        >>> with interception.intercept(doubled):
+        ...     out = jnp.ones((1, 3)) @ jnp.ones((3, 1))
+        matmul
+        >>> out
+        Array([[6.]], dtype=float32)
+        >>> jnp.ones((1, 3)) @ jnp.ones((3, 1))  # outside the block: unmodified
+        Array([[3.]], dtype=float32)
     """
-    install()
-    if getattr(_state, "handler", None) is not None:
-        raise RuntimeError("intercept() blocks cannot be nested on one thread")
-    _state.handler, _state.values, _state.busy = handler, values, False
-    try:
-        with jax.disable_jit():
-            yield
-    finally:
-        _state.handler, _state.values, _state.busy = None, None, False
+    outer = (
+        getattr(_state, "handler", None),
+        getattr(_state, "values", None),
+        getattr(_state, "busy", False),
+    )
+    with _open_block():
+        _state.handler, _state.values, _state.busy = handler, values, False
+        try:
+            with jax.disable_jit():
+                yield
+        finally:
+            _state.handler, _state.values, _state.busy = outer

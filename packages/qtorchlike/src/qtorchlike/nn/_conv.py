@@ -10,8 +10,8 @@ import jax
 from jax import lax
 
 import qcore
-from qtorchlike.nn.linear import qarray_of
-from qtorchlike.nn.quant_layer import QuantWBIOL, check_positive_ints, spec_of
+from qtorchlike.nn._linear import qarray_of
+from qtorchlike.nn._quant_layer import QuantWBIOL, check_positive_ints, spec_of
 from qtorchlike.quant import Int8WeightPerTensorFloat
 from qtorchlike.quant_tensor import QuantTensor
 

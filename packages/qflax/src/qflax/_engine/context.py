@@ -1,7 +1,7 @@
 """The state of one quantized model call: where each weight operand came from.
 
 A :class:`CallContext` serves as the value handler of
-:func:`qflax.interception.intercept`. It sees every read of a model parameter
+:func:`qflax._engine.interception.intercept`. It sees every read of a model parameter
 (Linen ``Scope.get_variable`` / ``put_variable``, NNX ``Variable.get_value``) and
 records the value handed to the module under the parameter's path; a
 :class:`~qflax.qparam.QuantizedParam` is handed over as its stand-in (see
@@ -21,14 +21,17 @@ import dataclasses
 import enum
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import flax.linen as nn
 import jax
 from flax import nnx
 
-from qflax import module_path
+from qflax._engine import layout, module_path
 from qflax.qparam import QuantizedParam, Transform, stand_in
+
+if TYPE_CHECKING:
+    from qflax._engine.flavor import Flavor
 
 
 class Mode(enum.Enum):
@@ -60,15 +63,18 @@ class Source:
 
 
 class CallContext:
-    """Value handler and bookkeeping of one model call (see the module docstring)."""
+    """Value handler and bookkeeping of one model call (see the module docstring).
 
-    def __init__(self, flavor: str, mode: Mode, *, update_stats: bool = False) -> None:
+    Providers ask it policy questions (:attr:`discovering`, :attr:`creates_variables`,
+    :attr:`may_quantize_params`) rather than reading its :class:`Mode`, and leave
+    what an NNX discovery pass finds in its record through :meth:`record_recipe`,
+    :meth:`put_site_var` and :meth:`request`.
+    """
+
+    def __init__(self, flavor: Flavor, mode: Mode, *, update_stats: bool = False) -> None:
         self.flavor = flavor
         self.mode = mode
         self.update_stats = update_stats
-        self.resolver: Callable[[object], str | None] = (
-            module_path.linen_path if flavor == "linen" else module_path.nnx_path
-        )
         self._values: dict[int, tuple[Any, Source]] = {}
         self._counters: dict[int, tuple[Any, dict[str, int]]] = {}
         # DISCOVER results: param path -> recipe; module path -> site variables.
@@ -80,6 +86,35 @@ class CallContext:
         # DISCOVER results a provider creates itself afterwards (key -> request),
         # see Provider.nnx_variables.
         self.requests: dict[Any, Any] = {}
+
+    # -- policy --------------------------------------------------------------------
+    @property
+    def discovering(self) -> bool:
+        """An abstract pass (NNX ``quantize_model``): record what is due, write nothing."""
+        return self.mode is Mode.DISCOVER
+
+    @property
+    def creates_variables(self) -> bool:
+        """Whether the call creates the providers' variables (Linen init, NNX discovery)."""
+        return self.mode in (Mode.INIT, Mode.DISCOVER)
+
+    @property
+    def may_quantize_params(self) -> bool:
+        """Whether a float param that a rule quantizes may be quantized now (else it raises)."""
+        return self.mode is not Mode.APPLY
+
+    # -- record --------------------------------------------------------------------
+    def record_recipe(self, path: str, recipe: Any) -> Any:
+        """Records how param ``path`` is quantized; returns the first recipe recorded for it."""
+        return self.recipes.setdefault(path, recipe)
+
+    def put_site_var(self, path: str, name: str, collection: str, value: Any) -> None:
+        """Records a site variable of module ``path`` that discovery found due."""
+        self.sites.setdefault(path, {})[name] = (collection, value)
+
+    def request(self, key: Any, value: Any) -> None:
+        """Records a provider's own request (see ``Provider.nnx_variables``), once per key."""
+        self.requests.setdefault(key, value)
 
     # -- value handler -----------------------------------------------------------
     def __call__(self, name: str, original: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
@@ -160,66 +195,15 @@ class CallContext:
 
     def calling_module(self) -> tuple[Any, str] | None:
         """The innermost module on the stack and its path."""
-        return module_path.calling_module(self.resolver, skip=2)
+        return module_path.calling_module(self.flavor.path, skip=2)
 
     def write_param(self, source: Source, value: QuantizedParam) -> None:
         """Replaces a Linen parameter, in INIT/QUANTIZE mode (see :func:`box_leaves`)."""
         scope = source.holder
         raw = scope.get_variable("params", source.name)
         if isinstance(raw, nn.meta.AxisMetadata):
-            value = box_leaves(raw, value)
+            value = layout.box_leaves(raw, value)
         scope.put_variable("params", source.name, value)
-
-
-def leaf_axes(qp: QuantizedParam, axes: tuple[Any, ...]) -> dict[str, tuple[Any, ...]]:
-    """Per-leaf partitioning of a quantized param whose float param had ``axes``.
-
-    ``qvalue`` keeps the param's axes (a packed axis holds half as many bytes);
-    ``scale`` and ``zero_point`` keep them only along per-channel axes (where they
-    have the value's size) and are replicated along reduced or tiled ones. A param
-    the module reshaped before use is replicated: its axes do not map onto the
-    compute layout.
-    """
-    qa = qp.qarray
-    lead = qa.ndim - len(qp.recipe.compute_shape())
-    if qp.recipe.transforms or len(axes) != qa.ndim:
-        if not qp.recipe.transforms or lead == 0:
-            axes = (None,) * qa.ndim
-        else:
-            axes = tuple(axes[:lead]) + (None,) * (qa.ndim - lead)
-    per_channel = tuple(
-        a if s == d else None for a, s, d in zip(axes, qa.scale.shape, qa.shape, strict=True)
-    )
-    return {
-        "qvalue": tuple(axes),
-        "scale": per_channel,
-        "zero_point": per_channel,
-        "tensor_scale": (None,) * qa.ndim,
-    }
-
-
-def box_leaves(box: Any, qp: QuantizedParam) -> Any:
-    """``qp`` with each QArray leaf in its own copy of ``box`` (``nn.Partitioned``...).
-
-    Partitioning metadata with ``names`` is adapted per leaf (:func:`leaf_axes`), so
-    ``nn.get_partition_spec`` gives codes and scales shardings that fit their
-    shapes; other metadata boxes the whole param.
-    """
-    names = getattr(box, "names", None)
-    if names is None:
-        return box.replace_boxed(qp)
-    axes = leaf_axes(qp, tuple(names))
-    qa = qp.qarray
-    children, aux = qa.tree_flatten_with_keys()
-    boxed = []
-    for key, leaf in children:
-        if leaf is not None:
-            leaf = box.replace_boxed(leaf).replace(names=axes[key.name])
-        boxed.append(leaf)
-    s = qp.input_scale
-    if s is not None:  # one entry per input channel: replicated
-        s = box.replace_boxed(s).replace(names=(None,) * len(s.shape))
-    return QuantizedParam(type(qa).tree_unflatten(aux, boxed), qp.recipe, s)
 
 
 def _linen_args(args: tuple, kwargs: dict, names: tuple[str, ...]) -> tuple:

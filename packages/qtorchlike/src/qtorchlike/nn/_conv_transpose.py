@@ -16,8 +16,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from qtorchlike.nn.conv import check_channels, ints
-from qtorchlike.nn.quant_layer import QuantWBIOL, acc_bit_width
+from qtorchlike.nn._conv import check_channels, ints
+from qtorchlike.nn._quant_layer import QuantWBIOL, acc_bit_width
 from qtorchlike.quant import Int8WeightPerTensorFloat
 from qtorchlike.quant_tensor import QuantTensor
 

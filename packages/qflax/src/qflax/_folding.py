@@ -20,13 +20,14 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx, traverse_util
+from flax import traverse_util
 
 import qcore
+from qflax._engine import flavor as flavors
+from qflax._engine.layout import box_leaves
+from qflax._params import is_leaf, plain
+from qflax._progress import track
 from qflax.calibration import LayerStats
-from qflax.context import box_leaves
-from qflax.params import is_leaf, plain
-from qflax.progress import track
 from qflax.qparam import QuantizedParam, check_finite_weight, to_compute_layout
 
 Key = tuple[Any, ...]
@@ -117,9 +118,7 @@ def plan(
             f"fold_into={fold_into!r} must be a mapping {{weight path: param path(s)}}, "
             f"e.g. {{'dense/kernel': 'norm/scale'}}; quantized weights: {list(stats)}"
         )
-    tree = (
-        nnx.to_pure_dict(nnx.state(model, nnx.Param)) if isinstance(model, nnx.Module) else params
-    )
+    tree = flavors.of(model).float_tree(model, params)
     flat = traverse_util.flatten_dict(plain(tree), is_leaf=lambda _, x: is_leaf(x))
     keys = {"/".join(str(k) for k in key): key for key in flat}
     floats = [p for p in keys if p not in stats]

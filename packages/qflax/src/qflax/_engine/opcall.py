@@ -1,13 +1,15 @@
 """One intercepted op call, in a form the providers can quantize.
 
-:func:`bind` turns ``(op name, original, args, kwargs)`` into an :class:`OpCall`:
-its two array operands, for each the axes it is contracted over (a weight gets
-one scale per remaining axis), and functions that run the op
-with qcore (operands may be QArrays) or with qcore's training ops.
-``jnp.dot`` / ``jnp.matmul`` / ``@`` become the equivalent two-operand einsum.
-Calls qflax does not quantize (more than two einsum operands, an
-``out_sharding``, a ``group_offset``, 0-d operands) bind to None and run as they
-are.
+:func:`bind` turns ``(op, original, args, kwargs)`` into an :class:`OpCall` (a
+contraction: its two array operands, for each the axes it is contracted over (a
+weight gets one scale per remaining axis), and functions that run the op with
+qcore (operands may be QArrays) or with qcore's training ops) or a
+:class:`TakeCall` (a table lookup). ``jnp.dot`` / ``jnp.matmul`` / ``@`` become
+the equivalent two-operand einsum. Calls qflax does not quantize (more than two
+einsum operands, an ``out_sharding``, a ``group_offset``, 0-d operands, indexing
+by slices or masks) bind to None and run as they are.
+
+The binders here are the built-in ops' entries of :mod:`qflax._engine.registry`.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 import qcore
@@ -47,15 +51,89 @@ class OpCall:
     train: Callable[[Array, Array, qcore.TrainingQuant, Array | None], Array]
     forward_float: Callable[[Array, Array], Array]
 
+    @classmethod
+    def from_einsum(cls, name: str, subscripts: str, lhs: Array, rhs: Array) -> OpCall | None:
+        """The call ``jnp.einsum(subscripts, lhs, rhs)`` under the op name ``name``.
 
-def bind(name: str, original: Callable[..., Any], args: tuple, kwargs: dict) -> OpCall | None:
-    """The :class:`OpCall` of an intercepted call, or None if qflax leaves it float."""
+        For an op registered with :func:`qflax.register_op` that computes a
+        two-operand einsum; None (the call runs float) for operands that are not
+        arrays of rank >= 1 or subscripts that do not fit them.
+        """
+        if not (_is_array(lhs) and _is_array(rhs)):
+            return None
+        return _einsum_call(name, _explicit(subscripts, lhs.ndim, rhs.ndim), lhs, rhs, {})
+
+
+@dataclasses.dataclass(frozen=True)
+class TakeCall:
+    """A bound table lookup (``jnp.take`` or indexing ``table[ids]``), as ``jnp.take``'s.
+
+    Indexing becomes a ``jnp.take`` along axis 0 with indexing's out-of-range rule:
+    negative ids count from the end, then ids out of range are clamped
+    (``mode="clip"``) or give ``fill_value`` (``mode="fill"``).
+
+    Attributes:
+        name: The op's name (``"take"``).
+        table: The array looked up in.
+        indices: The integer ids.
+        axis: The axis of ``table`` the ids index.
+        mode: ``jnp.take``'s out-of-range mode.
+        fill_value: The value of out-of-range ids under ``mode="fill"``.
+        unique_indices: ``jnp.take``'s hint.
+        indices_are_sorted: ``jnp.take``'s hint.
+    """
+
+    name: str
+    table: Array
+    indices: Any  # an integer jax.Array or np.ndarray
+    axis: int
+    mode: str | None
+    fill_value: Any
+    unique_indices: bool
+    indices_are_sorted: bool
+
+    def take(self, table: Array) -> Array:
+        """The lookup in ``table`` (a float array, e.g. fake-quantized), not ``self.table``."""
+        return jax.numpy.take(
+            table,
+            self.indices,
+            self.axis,
+            mode=self.mode,
+            unique_indices=self.unique_indices,
+            indices_are_sorted=self.indices_are_sorted,
+            fill_value=self.fill_value,
+        )
+
+    def take_quantized(self, table: qcore.QArray) -> Array:
+        """The lookup in a quantized table, dequantized to ``self.table``'s dtype."""
+        return qcore.take(
+            table,
+            self.indices,
+            self.axis,
+            mode=self.mode,
+            fill_value=self.fill_value,
+            dtype=self.table.dtype,
+        )
+
+
+Call = OpCall | TakeCall
+Binder = Callable[[dict[str, Any]], "Call | None"]
+
+
+def bind(
+    binder: Binder, original: Callable[..., Any], args: tuple, kwargs: dict
+) -> OpCall | TakeCall | None:
+    """The call's arguments bound by name (``original``'s signature), then ``binder(arguments)``.
+
+    None (the call runs as it is) for a call with an ``out_sharding`` or one the
+    binder leaves float.
+    """
     bound = inspect.signature(original).bind(*args, **kwargs)
     bound.apply_defaults()
     a = dict(bound.arguments)
     if a.get("out_sharding") is not None:
         return None
-    return _BINDERS[name](a)
+    return binder(a)
 
 
 def _pet(a: dict) -> dict[str, Any]:
@@ -69,7 +147,7 @@ def _is_array(x: Any) -> bool:
     return isinstance(x, jax.Array) and x.ndim > 0
 
 
-def _dot_general(a: dict) -> OpCall | None:
+def dot_general(a: dict) -> OpCall | None:
     lhs, rhs, dn = a["lhs"], a["rhs"], a["dimension_numbers"]
     if not (_is_array(lhs) and _is_array(rhs)):
         return None
@@ -113,7 +191,7 @@ def _einsum_call(name: str, subscripts: str, lhs: Array, rhs: Array, kw: dict) -
     )
 
 
-def _einsum(a: dict) -> OpCall | None:
+def einsum(a: dict) -> OpCall | None:
     subscripts, operands = a["subscripts"], a["operands"]
     if not isinstance(subscripts, str) or len(operands) != 2:
         return None
@@ -167,7 +245,7 @@ def _matmul_subscripts(name: str, n_a: int, n_b: int) -> str | None:
     return f"{a_lead}z,{a_lead[:-1]}zy->{a_lead}y"
 
 
-def _dot_like(name: str) -> Callable[[dict], OpCall | None]:
+def dot_like(name: str) -> Callable[[dict], OpCall | None]:
     def binder(a: dict) -> OpCall | None:
         x, y = a["a"], a["b"]
         if not (_is_array(x) and _is_array(y)):
@@ -180,7 +258,7 @@ def _dot_like(name: str) -> Callable[[dict], OpCall | None]:
     return binder
 
 
-def _conv(a: dict) -> OpCall | None:
+def conv(a: dict) -> OpCall | None:
     lhs, rhs = a["lhs"], a["rhs"]
     if not (_is_array(lhs) and _is_array(rhs)):
         return None
@@ -215,7 +293,7 @@ def _ints(x: Any) -> Any:
     return None if x is None else tuple(int(i) for i in x)
 
 
-def _ragged_dot(a: dict) -> OpCall | None:
+def ragged_dot(a: dict) -> OpCall | None:
     lhs, rhs, sizes = a["lhs"], a["rhs"], a["group_sizes"]
     if a.get("group_offset") is not None or not (_is_array(lhs) and _is_array(rhs)):
         return None
@@ -236,11 +314,59 @@ def _ragged_dot(a: dict) -> OpCall | None:
     )
 
 
-_BINDERS: dict[str, Callable[[dict], OpCall | None]] = {
-    "dot_general": _dot_general,
-    "einsum": _einsum,
-    "dot": _dot_like("dot"),
-    "matmul": _dot_like("matmul"),
-    "conv_general_dilated": _conv,
-    "ragged_dot": _ragged_dot,
-}
+def take(a: dict) -> TakeCall | None:
+    """A lookup (``jnp.take``'s or indexing's arguments) as a :class:`TakeCall`, or None.
+
+    Left float: ``jnp.take`` with ``axis=None`` (a lookup in the flattened array)
+    or an ``out`` argument; indexing by anything but one integer array (slices,
+    several indices, boolean masks, Python ints); a 0-d table.
+    """
+    if "idx" in a:  # indexing: jax's rewriting_take(arr, idx, ...)
+        return _indexing_as_take(a)
+    table = a["a"]
+    if a["axis"] is None or a["out"] is not None or not _is_array(table):
+        return None
+    return TakeCall(
+        "take",
+        table,
+        a["indices"],
+        int(a["axis"]),
+        a["mode"],
+        a["fill_value"],
+        a["unique_indices"],
+        a["indices_are_sorted"],
+    )
+
+
+_CLAMPING = (None, "clip", "promise_in_bounds")
+_FILLING = ("fill", "drop", "fill_or_drop")
+
+
+def _indexing_as_take(a: dict) -> TakeCall | None:
+    """``rewriting_take``'s arguments (``arr[idx]``) as a :class:`TakeCall`, or None."""
+    idx, table = a["idx"], a["arr"]
+    if isinstance(idx, tuple):
+        if len(idx) != 1:
+            return None
+        idx = idx[0]
+    mode = a["mode"]
+    mode = getattr(mode, "name", mode)
+    mode = mode.lower() if isinstance(mode, str) else mode
+    integer = isinstance(idx, jax.Array | np.ndarray) and jnp.issubdtype(idx.dtype, jnp.integer)
+    if not integer or mode not in _CLAMPING + _FILLING or not _is_array(table):
+        return None
+    if mode in _CLAMPING:
+        # Indexing wraps negative ids once, then clamps: jnp.take(mode="clip") clamps only.
+        idx, mode = jnp.where(idx < 0, idx + table.shape[0], idx), "clip"
+    else:
+        mode = "fill"  # "drop" is indexing's name for it; negative ids wrap in both
+    return TakeCall(
+        "take",
+        table,
+        idx,
+        0,
+        mode,
+        a["fill_value"],
+        a["unique_indices"],
+        a["indices_are_sorted"],
+    )

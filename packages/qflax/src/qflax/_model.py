@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, cast
 
 import flax.linen as nn
 import jax
@@ -31,9 +31,12 @@ from flax.core import scope as flax_scope
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from qflax import interception, module_path, stats
-from qflax.context import CallContext, Mode, leaf_axes
-from qflax.provider import Provider, PtqProvider, QtProvider
+from qflax import stats
+from qflax._engine import flavor as flavors
+from qflax._engine import interception, module_path
+from qflax._engine.context import CallContext, Mode
+from qflax._engine.layout import leaf_axes
+from qflax.providers._base import Provider
 from qflax.qparam import ActScale, QuantizedParam, check_finite_weight, quantize_param
 
 
@@ -80,11 +83,10 @@ def quantize_model(
     for m in methods:
         if not callable(getattr(type(model), m, None)):
             raise ValueError(f"methods: {type(model).__name__} has no method {m!r}")
-    if isinstance(model, nn.Module):
-        return QuantizedLinen(model, provider, methods)
-    if isinstance(model, nnx.Module):
-        return _quantize_nnx(model, provider, methods, example_inputs, example_kwargs)
-    raise ValueError(f"model={type(model).__name__} is neither a flax.linen nor an nnx.Module")
+    if flavors.of(model) is flavors.LINEN:
+        return QuantizedLinen(cast(nn.Module, model), provider, methods)
+    nnx_model = cast(nnx.Module, model)
+    return _quantize_nnx(nnx_model, provider, methods, example_inputs, example_kwargs)
 
 
 @contextlib.contextmanager
@@ -112,7 +114,7 @@ class QuantizedLinen:
         name = "__call__" if method is None else getattr(method, "__name__", method)
         if name not in self.methods:
             return fn()
-        ctx = CallContext("linen", mode)
+        ctx = CallContext(flavors.LINEN, mode)
         with _calling(self.provider, ctx):
             out = fn()
         self.provider.call_finished()
@@ -179,7 +181,7 @@ def _quantized_class(cls: type, methods: tuple[str, ...]) -> type:
         def method(self: Any, *args: Any, **kwargs: Any) -> Any:
             provider = self._qflax_provider
             update = bool(getattr(self, "qflax_update_stats", False))
-            ctx = CallContext("nnx", Mode.APPLY, update_stats=update)
+            ctx = CallContext(flavors.NNX, Mode.APPLY, update_stats=update)
             with _calling(provider, ctx):
                 out = original(self, *args, **kwargs)
             provider.call_finished()
@@ -220,7 +222,7 @@ def _quantize_nnx(
         raise
     model._qflax_provider = provider  # type: ignore[attr-defined]
     model.__class__ = _quantized_class(type(model), methods)
-    if isinstance(provider, QtProvider):
+    if provider.learns_statistics:
         model.qflax_update_stats = True  # type: ignore[attr-defined]
     return model
 
@@ -230,7 +232,7 @@ def _discover(
 ) -> CallContext:
     """Runs ``method`` abstractly and records the recipes and activation sites."""
     graphdef, state = nnx.split(model)
-    ctx = CallContext("nnx", Mode.DISCOVER)
+    ctx = CallContext(flavors.NNX, Mode.DISCOVER)
 
     def run(state: Any) -> Any:
         m = nnx.merge(graphdef, state)
@@ -251,7 +253,7 @@ def _convert(model: nnx.Module, provider: Provider, ctx: CallContext) -> None:
     for path, recipe in ctx.recipes.items():
         module_name, _, attr = path.rpartition("/")
         value = getattr(module_path.find_nnx(model, module_name), attr).get_raw_value()
-        if isinstance(provider, PtqProvider):
+        if provider.stores_quantized_weights:
             check_finite_weight(value, path)
         shape = value.shape
         lead[module_name] = tuple(shape[: len(shape) - len(recipe.shape)])
@@ -279,7 +281,7 @@ def _convert(model: nnx.Module, provider: Provider, ctx: CallContext) -> None:
             scale = stats.scale(stat, value.recipe.qtype)
             new_vars.append((module, name, nnx.Param(ActScale(scale, value.recipe))))
     new_vars += provider.nnx_variables(model, ctx)
-    if isinstance(provider, PtqProvider):
+    if provider.stores_quantized_weights:
         for path, recipe in ctx.recipes.items():
             module_name, _, attr = path.rpartition("/")
             var = getattr(module_path.find_nnx(model, module_name), attr)
@@ -296,7 +298,7 @@ def _sharded_like(value: jax.Array, recipe: Any) -> QuantizedParam:
     """Quantizes ``value``; codes and scales of a mesh-sharded value stay on its mesh.
 
     ``qvalue`` takes the float parameter's partition spec and ``scale`` keeps it
-    along per-channel axes only (see :func:`qflax.context.leaf_axes`).
+    along per-channel axes only (see ``qflax._engine.layout.leaf_axes``).
     """
     qp = quantize_param(value, recipe)
     sharding = getattr(value, "sharding", None)

@@ -20,8 +20,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from qtorchlike.nn._quant_layer import act_proxy, check_bool, check_input, split_kwargs
 from qtorchlike.nn.module import Module
-from qtorchlike.nn.quant_layer import act_proxy, check_bool, check_input, split_kwargs
 from qtorchlike.quant import (
     Int8ActPerTensorFloat,
     Int8ActPerTensorFloatMinMaxInit,
@@ -59,7 +59,7 @@ class _QuantAct(Module):
         Raises:
             TypeError: If ``x`` is neither a floating-point array nor a QuantTensor.
             ValueError: If a quantizer collecting statistics gets NaN or ±inf (see
-                :meth:`qtorchlike.proxy.ActQuantProxy.forward`).
+                :meth:`qtorchlike._proxy.ActQuantProxy.forward`).
         """
         x = check_input(self, x)
         if self.input_quant is not None:

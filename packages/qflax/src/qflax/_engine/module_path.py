@@ -10,7 +10,7 @@ while tracing, so the cost is paid once per compiled model, not per step.
 
 Example:
     >>> import flax.linen as nn, jax, jax.numpy as jnp
-    >>> from qflax import interception, module_path
+    >>> from qflax._engine import interception, module_path
     >>> class Net(nn.Module):
     ...     @nn.compact
     ...     def __call__(self, x):

@@ -12,8 +12,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from qtorchlike import functional as F
+from qtorchlike.nn._quant_layer import act_proxy, check_bool, split_kwargs
 from qtorchlike.nn.module import Module
-from qtorchlike.nn.quant_layer import act_proxy, check_bool, split_kwargs
 from qtorchlike.quant import Int8ActPerTensorFloat
 from qtorchlike.quant_tensor import QuantTensor
 

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 
 import qcore
-from qtorchlike.nn.quant_layer import QuantWBIOL, check_positive_ints, spec_of
+from qtorchlike.nn._quant_layer import QuantWBIOL, check_positive_ints, spec_of
 from qtorchlike.quant import Int8WeightPerTensorFloat
 from qtorchlike.quant_tensor import QuantTensor
 

@@ -1,0 +1,574 @@
+"""Quantizer proxies (internal; the public names are in :mod:`qtorchlike.proxy`).
+
+A layer turns each quantizer class it is given into a proxy: a
+:class:`WeightQuantProxy`, :class:`ActQuantProxy` or :class:`BiasQuantProxy`.
+The proxy owns the learned scale (a parameter named ``value``) and the running
+statistics (buffers), and its forward pass returns a
+:class:`~qtorchlike.QuantTensor`. The arithmetic is qcore's:
+:func:`qcore.fake_quant_with_scale` quantizes with straight-through gradients
+(LSQ gradients for learned scales), :func:`qcore.calibrate` computes statistics.
+
+A weight proxy can be shared between layers (``weight_quant=layer1.weight_quant``):
+it then tracks every weight it serves and computes statistics over all of them.
+
+Threshold and scale: statistics and ``scaling_const``/``scaling_init`` give a
+*threshold* (e.g. ``max|w|``); the scale is ``threshold / int_scaling``
+(``int_scaling`` is 127 for narrow int8, 128 for int8, 255 for uint8, 448 for
+fp8 e4m3, 1 for binary and ternary), restricted to a power of two when asked
+(rounded up, so the threshold is never clipped).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import warnings
+import weakref
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.core import Tracer
+
+import qcore
+from qcore import numerics
+from qtorchlike import random
+from qtorchlike.nn.module import Module, Parameter, path_of
+from qtorchlike.quant_tensor import QuantTensor
+from qtorchlike.solver import (
+    QuantSpec,
+    QuantType,
+    RestrictValueType,
+    ScalingImplType,
+    ScalingPerOutputType,
+    StatsOp,
+    solve,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class _MeanAbs:
+    """A qcore calibrator: ``±mean|x|`` (Brevitas' ``StatsOp.AVE``)."""
+
+    def __call__(self, x, axes, *, qtype, symmetric=True, narrow_range=False):  # noqa: D102
+        m = jnp.mean(jnp.abs(x), axis=tuple(axes), keepdims=True)
+        return -m, m
+
+
+def _calibration(spec: QuantSpec) -> Any:
+    if spec.stats_op is StatsOp.AVE:
+        return _MeanAbs()
+    if spec.stats_op is StatsOp.PERCENTILE:
+        return qcore.calibration.Percentile(spec.percentile)
+    return "absmax"
+
+
+def _threshold(x: jax.Array, spec: QuantSpec, channelwise=(), tiled=None) -> jax.Array:
+    """The statistic of ``|x|`` per scale block, through qcore.calibrate (no gradient).
+
+    Statistics are of magnitudes for signed and unsigned quantizers alike, as in
+    Brevitas (``AbsMax``, ``AbsPercentile``, ``AbsAve``).
+    """
+    how = qcore.HowToQuantize(
+        qtype="int8",  # only the range (lo, hi) is used, not the type's scale
+        channelwise_axes=channelwise,
+        tiled_axes=tiled or {},
+        calibration=_calibration(spec),
+    )
+    *_, hi = qcore.calibrate(jax.lax.stop_gradient(x.astype(jnp.float32)), how)
+    return hi
+
+
+def _check_finite(x: Any, describe: Any) -> None:
+    """Raises ValueError(``describe(n)``) if concrete ``x`` holds ``n > 0`` NaN or ±inf values.
+
+    Under tracing (``jax.jit``) nothing can be raised; the non-finite values then
+    make their blocks' scales NaN (:func:`_poison`).
+    """
+    if isinstance(x, Tracer):
+        return
+    with jax.ensure_compile_time_eval():  # a concrete array, also while tracing
+        if bool(jnp.all(jnp.isfinite(x))):
+            return
+    n = int(np.sum(~np.isfinite(np.asarray(x))))
+    raise ValueError(describe(f"{n} non-finite value{'s' if n != 1 else ''} (NaN or inf)"))
+
+
+def _poison(x: jax.Array, out: jax.Array, scale: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """NaN for every block of ``x`` (the values one scale serves) that holds NaN or ±inf.
+
+    Returns ``out`` (the quantized ``x``) and ``scale`` with those blocks' values and
+    scales NaN: quantization never turns a non-finite value into a finite one.
+    """
+    shape = (1,) * (x.ndim - scale.ndim) + tuple(scale.shape)
+    blocks = [d for s, n in zip(shape, x.shape, strict=True) for d in (s, n // s)]
+    inner = tuple(range(1, 2 * x.ndim, 2))
+    bad = jnp.any(~jnp.isfinite(x.reshape(blocks)), axis=inner, keepdims=True)
+    out = jnp.where(bad, jnp.nan, out.reshape(blocks)).reshape(x.shape)
+    return out, jnp.where(bad.reshape(scale.shape), jnp.nan, scale)
+
+
+def _ceil_ste(x: jax.Array) -> jax.Array:
+    return x + jax.lax.stop_gradient(jnp.ceil(x) - x)
+
+
+def to_scale(threshold: jax.Array, spec: QuantSpec, log_domain: bool = False) -> jax.Array:
+    """Scale from a threshold (given as log2 when ``log_domain``)."""
+    if spec.restrict is RestrictValueType.POWER_OF_TWO:
+        # 2^ceil(log2 t) / int_scaling, int_scaling a power of two (Brevitas' CeilSte).
+        log_t = threshold if log_domain else jnp.log2(jnp.maximum(threshold, 1e-30))
+        scale = jnp.exp2(_ceil_ste(log_t) - math.log2(spec.int_scaling))
+    else:
+        t = jnp.exp2(threshold) if log_domain else threshold
+        # An all-zero block gives threshold 0: fall back to scale 1 (qcore's rule).
+        scale = jnp.where(t > 0, t, jnp.ones_like(t) * spec.int_scaling) / spec.int_scaling
+    # A non-finite threshold (statistics of a NaN or inf block under jax.jit) gives a
+    # NaN scale, never a finite fallback.
+    return jnp.where(jnp.isfinite(threshold), scale, jnp.nan)
+
+
+def _log_param(spec: QuantSpec) -> bool:
+    return spec.restrict is not RestrictValueType.FP
+
+
+def _fake_quant(x: jax.Array, scale: jax.Array, spec: QuantSpec) -> jax.Array:
+    key = random.next_key() if spec.rounding == "stochastic" else None
+    if spec.bit_width > 16:  # wide biases: no qcore type, plain round-and-clip
+        lo, hi = -(2.0 ** (spec.bit_width - 1)), 2.0 ** (spec.bit_width - 1) - 1
+        return numerics.saturate(numerics.round_ste(x / scale), lo, hi) * scale
+    return qcore.fake_quant_with_scale(
+        x,
+        spec.qtype,
+        scale,
+        narrow_range=spec.narrow_range,
+        rounding=spec.rounding,
+        key=key,
+    )
+
+
+class QuantProxy(Module):
+    """Shared machinery: the quantizer class, its spec, on/off switches."""
+
+    is_quantizer = True  # its state may be missing from float checkpoints
+
+    def __init__(self, quant: type) -> None:
+        super().__init__()
+        self.quant = quant
+        self.spec = solve(quant)
+        self.enabled = True
+
+    def trace_flags(self) -> tuple:
+        """Python-level switches a jitted trace depends on."""
+        return (self.enabled,)
+
+    def _check_load(self, name: str, value: Any, key: str) -> None:
+        """Rejects a loaded learned scale (``value``) or statistic (``running``) that is unusable.
+
+        ``key`` is the state-dict key, for the message. A log-domain ``value`` (log2
+        of the threshold) may be any finite number; a linear one must be > 0 and a
+        ``running`` statistic >= 0 (0: an all-zero input, scale 1).
+        """
+        if name not in ("value", "running") or isinstance(value, Tracer):
+            return
+        arr = np.asarray(value, np.float64)
+        if name == "value" and _log_param(self.spec):
+            ok, allowed = np.isfinite(arr), "finite values (the log2 of the threshold)"
+        elif name == "value":
+            ok, allowed = np.isfinite(arr) & (arr > 0), "values that are finite and > 0"
+        else:
+            ok, allowed = np.isfinite(arr) & (arr >= 0), "values that are finite and >= 0"
+        if not ok.all():
+            what = "learned scale" if name == "value" else "scale statistic"
+            raise ValueError(
+                f"load_state_dict: {key!r} ({what} of {self.spec.name}) has {int((~ok).sum())} "
+                f"of {arr.size} value{'s' if arr.size != 1 else ''} unusable as a scale "
+                f"(e.g. {arr[~ok].flat[0]}); allowed: {allowed}; nothing was loaded"
+            )
+
+    def _site(self) -> str:
+        """``'<dotted name>' (<quantizer> of <layer type>)``, for error messages."""
+        owner = _owner(self)
+        of = f" of {type(owner).__name__}" if owner is not None else ""
+        return f"{path_of(self)!r} ({self.spec.name}{of})"
+
+    def _quantize(self, x: jax.Array, scale: jax.Array) -> QuantTensor:
+        """``x`` fake-quantized with ``scale`` (NaN blocks where ``x`` is not finite)."""
+        value, scale = _poison(x, _fake_quant(x, scale, self.spec), scale)
+        return self._qt(value, scale)
+
+    def _qt(self, value: jax.Array, scale: jax.Array) -> QuantTensor:
+        return QuantTensor(
+            value,
+            scale,
+            jnp.zeros((), value.dtype),
+            jnp.asarray(float(self.spec.bit_width)),
+            self.spec.signed,
+            self.training,
+        )
+
+    def extra_repr(self) -> str:
+        s = self.spec
+        return f"{s.name}: {s.qtype}, {s.scaling.value} scaling, per {s.per.value}"
+
+
+def _owner(module: Module) -> Module | None:
+    owner = module.__dict__.get("_owner")
+    return owner[0]() if owner is not None else None
+
+
+def _check_param(layer: Module | None, name: str, x: Any) -> None:
+    """Policy for weights: a concrete non-finite value is an error naming the parameter."""
+    prefix = path_of(layer) if layer is not None else ""
+    where = f"{type(layer).__name__} " if layer is not None else ""
+    param = f"{prefix}.{name}" if prefix else name
+    _check_finite(
+        x,
+        lambda bad: (
+            f"param {param!r} of {where}has {bad}; quantizing would hide them: "
+            "fix or mask the weights first"
+        ),
+    )
+
+
+class WeightQuantProxy(QuantProxy):
+    """Quantizes weights; tracks the layers whose weights it serves.
+
+    Args:
+        quant: The quantizer class.
+        layer: The first layer whose weight it quantizes.
+        channel_axis: The output-channel axis of that weight (0 for
+            ``(out, in, ...)``, 1 for transposed convolutions' ``(in, out, ...)``).
+        input_axis: The input-channel axis (groups run along it).
+    """
+
+    def __init__(self, quant: type, layer: Module, channel_axis: int = 0, input_axis: int = 1):
+        super().__init__(quant)
+        if self.spec.requires_input_scale:
+            raise ValueError(
+                f"weight_quant={self.spec.name} needs an input scale (it is a bias "
+                "quantizer); use e.g. Int8WeightPerTensorFloat"
+            )
+        self._tracked: list[tuple[weakref.ref, int, int]] = []
+        self.track(layer, channel_axis, input_axis)
+
+    def track(self, layer: Module, channel_axis: int = 0, input_axis: int = 1) -> None:
+        """Adds a layer whose ``weight`` this proxy also quantizes (a shared quantizer)."""
+        weight = getattr(layer, "weight", None)
+        if weight is not None:
+            self._blocks(weight, channel_axis, input_axis)  # group_size must divide it
+        self._tracked.append((weakref.ref(layer), channel_axis, input_axis))
+        if self.spec.scaling in (ScalingImplType.PARAMETER_FROM_STATS, ScalingImplType.PARAMETER):
+            self.init_scale()
+
+    def _weights(self) -> list[tuple[jax.Array, int, int]]:
+        out = []
+        for ref, c, i in self._tracked:
+            layer = ref()
+            if layer is not None and getattr(layer, "weight", None) is not None:
+                _check_param(layer, "weight", layer.weight)
+                out.append((layer.weight, c, i))
+        return out
+
+    def _blocks(self, w: jax.Array, c: int, i: int) -> tuple[tuple[int, ...], dict[int, int]]:
+        per = self.spec.per
+        if per is ScalingPerOutputType.TENSOR:
+            return (), {}
+        if per is ScalingPerOutputType.CHANNEL:
+            return (c,), {}
+        g = self.spec.group_size
+        assert g is not None  # the solver sets it for per-group scales
+        if w.shape[i] % g:
+            raise ValueError(
+                f"{self.spec.name}: group_size={g} must divide the weight's input-channel "
+                f"dimension {w.shape[i]} (weight shape {w.shape})"
+            )
+        return (c,), {i: g}
+
+    def _stat_threshold(self, w: jax.Array, c: int, i: int) -> jax.Array:
+        weights = self._weights()
+        if len(weights) <= 1:
+            return _threshold(w, self.spec, *self._blocks(w, c, i))
+        if self.spec.per is ScalingPerOutputType.TENSOR:
+            flat = jnp.concatenate([jnp.ravel(x) for x, *_ in weights])
+            return _threshold(flat, self.spec).reshape((1,) * w.ndim)
+        if self.spec.per is ScalingPerOutputType.CHANNEL:
+            rows = [jnp.moveaxis(x, cx, 0).reshape(x.shape[cx], -1) for x, cx, _ in weights]
+            if len({r.shape[0] for r in rows}) != 1:
+                raise ValueError(
+                    f"a shared per-channel quantizer ({self.spec.name}) needs the same number "
+                    f"of output channels in every layer; got {[r.shape[0] for r in rows]}"
+                )
+            t = _threshold(jnp.concatenate(rows, axis=1), self.spec, (0,))
+            shape = [1] * w.ndim
+            shape[c] = w.shape[c]
+            return t.reshape(shape)
+        raise ValueError(f"{self.spec.name}: per-group scales cannot be shared between layers")
+
+    def init_scale(self) -> None:
+        """(Re-)initialises a learned scale from the tracked weights' statistics."""
+        weights = self._weights()
+        if not weights:
+            return
+        w, c, i = weights[0]
+        if self.spec.scaling is ScalingImplType.PARAMETER:
+            shape = [1] * w.ndim
+            if self.spec.per is not ScalingPerOutputType.TENSOR:
+                shape[c] = w.shape[c]
+            t = jnp.full(shape, float(self.spec.scaling_value or 1.0), jnp.float32)
+        else:
+            t = self._stat_threshold(w, c, i)
+        value = jnp.log2(jnp.maximum(t, 1e-30)) if _log_param(self.spec) else t
+        if "value" in self._parameters:
+            self.value = value
+        else:
+            self.value = Parameter(value)
+
+    def _after_load(self, loaded: set[str]) -> None:
+        from qtorchlike import config
+
+        # New float weights arrived but no stored scale: re-initialise it (Brevitas'
+        # REINIT_ON_STATE_DICT_LOAD); a loaded scale is kept as is.
+        if (
+            config.REINIT_ON_STATE_DICT_LOAD
+            and self.spec.scaling is ScalingImplType.PARAMETER_FROM_STATS
+            and "value" not in loaded
+        ):
+            self.init_scale()
+
+    def scale_for(self, w: jax.Array, c: int = 0, i: int = 1) -> jax.Array:
+        """The scale this proxy gives weight ``w`` now."""
+        spec = self.spec
+        if spec.scaling is ScalingImplType.CONST:
+            return to_scale(jnp.asarray(spec.scaling_value, jnp.float32), spec).reshape(
+                (1,) * w.ndim
+            )
+        if spec.scaling is ScalingImplType.STATS:
+            return to_scale(self._stat_threshold(w, c, i), spec)
+        return to_scale(self.value, spec, log_domain=_log_param(spec))
+
+    def forward(self, w: jax.Array, channel_axis: int = 0, input_axis: int = 1) -> Any:
+        """Returns ``w`` quantized as a QuantTensor (``w`` itself when disabled).
+
+        Raises:
+            ValueError: If ``w`` is concrete and holds NaN or ±inf (the message names
+                the parameter). Under ``jax.jit`` such a block's scale is NaN instead.
+        """
+        if not self.enabled:
+            return w
+        layers = (ref() for ref, *_ in self._tracked)
+        layer = next(
+            (m for m in layers if m is not None and m._parameters.get("weight") is w), None
+        )
+        _check_param(layer, "weight", w)
+        scale = self.scale_for(w, channel_axis, input_axis)
+        return self._quantize(w, scale)
+
+
+class ActQuantProxy(QuantProxy):
+    """Quantizes activations with a constant, running-statistics or learned scale.
+
+    Buffers: ``running`` (the threshold statistic) and ``counter`` (training
+    steps seen). With ``PARAMETER_FROM_STATS`` the first
+    ``collect_stats_steps`` training steps use each batch's statistic and
+    accumulate ``running``; at the last of them the learned parameter ``value``
+    takes ``running`` and from then on is trained. All of it is traced code
+    (``jnp.where`` on ``counter``), so it runs under ``jax.jit``.
+    """
+
+    def __init__(self, quant: type) -> None:
+        super().__init__(quant)
+        spec = self.spec
+        if spec.per is not ScalingPerOutputType.TENSOR:
+            raise ValueError(
+                f"act_quant={spec.name}: activation scales are per tensor here; got "
+                f"scaling_per_output_type={spec.per.name}"
+            )
+        if spec.requires_input_scale:
+            raise ValueError(f"act_quant={spec.name} is a bias quantizer")
+        self.calibrating = False
+        if spec.scaling in (ScalingImplType.STATS, ScalingImplType.PARAMETER_FROM_STATS):
+            # 1 until statistics arrive (scale 1/int_scaling, Brevitas' starting point).
+            self.register_buffer("running", jnp.ones((), jnp.float32))
+            self.register_buffer("counter", jnp.zeros((), jnp.int32))
+        if spec.scaling in (ScalingImplType.PARAMETER, ScalingImplType.PARAMETER_FROM_STATS):
+            init = spec.scaling_value if spec.scaling_value is not None else 1.0
+            self.value = Parameter(
+                jnp.asarray(math.log2(init) if _log_param(spec) else init, jnp.float32)
+            )
+
+    def trace_flags(self) -> tuple:  # noqa: D102
+        return (self.enabled, self.calibrating)
+
+    def _update_running(self, stat: jax.Array, momentum: float | None) -> None:
+        self.running, self.counter = _running(self.running, self.counter, stat, momentum)
+
+    def _check_batch(self, x: jax.Array) -> None:
+        _check_finite(
+            x,
+            lambda bad: (
+                f"activation quantizer {self._site()} got {bad} while collecting "
+                "statistics; they would make its scale NaN: fix or mask the input first"
+            ),
+        )
+
+    def _collect(self, x: jax.Array) -> jax.Array:
+        """The statistic of batch ``x``, which must be finite when concrete."""
+        self._check_batch(x)
+        return _threshold(x, self.spec).reshape(())
+
+    def start_collection(self) -> None:
+        """Starts fresh statistics (used by :func:`qtorchlike.calibration_mode`)."""
+        if "running" in self._buffers:
+            self.running = jnp.ones((), jnp.float32)
+            self.counter = jnp.zeros((), jnp.int32)
+
+    def finish_collection(self) -> None:
+        """Ends the statistics phase now: a learned scale takes the running statistic."""
+        if self.spec.scaling is ScalingImplType.PARAMETER_FROM_STATS:
+            running = self.running
+            self.value = jnp.log2(running) if _log_param(self.spec) else running
+            self.counter = jnp.asarray(max(self.spec.collect_stats_steps, 1), jnp.int32)
+
+    def threshold(self, x: jax.Array | None = None) -> jax.Array:
+        """The linear-domain threshold used now (updating statistics when training on ``x``)."""
+        spec = self.spec
+        if spec.scaling is ScalingImplType.CONST:
+            return jnp.asarray(spec.scaling_value, jnp.float32)
+        log = _log_param(spec)
+        learned = None
+        if "value" in self._parameters:
+            learned = jnp.exp2(self.value) if log else self.value
+        if learned is None:  # no learned value: statistics only (STATS)
+            learned = self.running
+        if spec.scaling is ScalingImplType.PARAMETER:
+            return learned
+        if self.calibrating and x is not None:
+            batch = self._collect(x)
+            # Calibration: an exact running mean over every batch, no phase limit.
+            self._update_running(batch, None)
+            return batch
+        if spec.scaling is ScalingImplType.STATS:
+            if self.training and x is not None:
+                batch = self._collect(x)
+                self._update_running(batch, spec.momentum)
+                return batch
+            self._warn_if_empty()
+            return self.running
+        # PARAMETER_FROM_STATS: batch statistics for the first collect_stats_steps
+        # training calls, then the learned value (which takes the running statistic).
+        steps = max(spec.collect_stats_steps, 1)
+        if self.training and x is not None:
+            if not isinstance(self.counter, Tracer) and int(self.counter) < steps:
+                self._check_batch(x)
+
+            # lax.cond, not jnp.where: the percentile (a sort) runs only while collecting.
+            def collect(state):
+                running, counter, value = state
+                batch = _threshold(x, spec).reshape(())
+                running, counter = _running(running, counter, batch, spec.momentum)
+                handover = jnp.log2(running) if log else running
+                value = jnp.where(counter == steps, handover, value)
+                return (running, counter, value), batch
+
+            def learn(state):
+                return state, jnp.exp2(state[2]) if log else state[2]
+
+            state = (self.running, self.counter, self.value)
+            (self.running, self.counter, self.value), t = jax.lax.cond(
+                self.counter < steps, collect, learn, state
+            )
+            return t
+        self._warn_if_empty()
+        return jnp.where(self.counter < steps, self.running, learned)
+
+    def _warn_if_empty(self) -> None:
+        # Brevitas silently uses scale 1/128 here; say what is going on instead.
+        counter = self.counter
+        if not isinstance(counter, Tracer) and int(counter) == 0:
+            warnings.warn(
+                f"{self.spec.name}: evaluating an activation quantizer that has seen no "
+                "statistics yet (its scale falls back to 1/int_scaling); run "
+                "qtorchlike.calibration_mode(model) on a few batches, or train first",
+                stacklevel=3,
+            )
+
+    def forward(self, x: Any) -> Any:
+        """Returns ``x`` quantized as a QuantTensor (``x`` itself when disabled).
+
+        Non-finite values make the (per-tensor) scale and every output value NaN.
+
+        Raises:
+            ValueError: If statistics are being collected (training with statistics,
+                :func:`qtorchlike.calibration_mode`) and concrete ``x`` holds NaN or
+                ±inf; the statistics are left as they were. Under ``jax.jit`` such a
+                batch is left out of the running statistics instead.
+        """
+        xv = x.value if isinstance(x, QuantTensor) else jnp.asarray(x)
+        if not self.enabled:
+            return x
+        t = self.threshold(xv)
+        if self.calibrating:
+            return xv  # observe only: the model runs in float during calibration
+        scale = to_scale(t, self.spec).reshape((1,) * xv.ndim)
+        return self._quantize(xv, scale)
+
+
+class BiasQuantProxy(QuantProxy):
+    """Quantizes biases; with ``requires_input_scale`` the scale is input × weight scale."""
+
+    def forward(self, bias: jax.Array, input_scale: Any = None, weight_scale: Any = None) -> Any:
+        """Returns ``bias`` quantized (a QuantTensor) or ``bias`` when disabled.
+
+        Raises:
+            ValueError: If the quantizer needs an input scale and the input was
+                not quantized (give the layer an ``input_quant``), or if a concrete
+                ``bias`` holds NaN or ±inf (the message names the parameter).
+        """
+        if not self.enabled:
+            return bias
+        _check_param(_owner(self), "bias", bias)
+        spec = self.spec
+        if spec.requires_input_scale:
+            if input_scale is None or weight_scale is None:
+                raise ValueError(
+                    f"bias_quant={spec.name} needs the input's scale (bias scale = input "
+                    "scale x weight scale) but the layer's input is not a QuantTensor: set "
+                    "input_quant=... on the layer, feed it a QuantTensor, or use a bias "
+                    "quantizer with its own scale"
+                )
+            scale = jnp.reshape(input_scale, (-1,)) * jnp.reshape(weight_scale, (-1,))
+            scale = jax.lax.stop_gradient(jnp.broadcast_to(scale, bias.shape))
+        elif spec.scaling is ScalingImplType.CONST:
+            scale = to_scale(jnp.asarray(spec.scaling_value, jnp.float32), spec).reshape(1)
+        else:
+            scale = to_scale(_threshold(bias, spec), spec)
+        return self._quantize(bias, scale)
+
+
+def _running(
+    running: jax.Array, counter: jax.Array, stat: jax.Array, momentum: float | None
+) -> tuple[jax.Array, jax.Array]:
+    """Running statistic and count after ``stat``; a non-finite ``stat`` is left out.
+
+    Eagerly a non-finite batch is an error before this runs; under ``jax.jit`` the
+    batch's own output is NaN and the running statistic stays clean.
+    """
+    n = counter.astype(jnp.float32)
+    if momentum is None:  # cumulative average
+        new = (running * n + stat) / (n + 1)
+    else:
+        new = jnp.where(counter == 0, stat, (1 - momentum) * running + momentum * stat)
+    ok = jnp.isfinite(stat)
+    return jnp.where(ok, new, running), jnp.where(ok, counter + 1, counter)
+
+
+def scale_threshold(proxy: WeightQuantProxy) -> np.ndarray:
+    """The linear-domain threshold of a learned weight scale (``max|w|`` at init)."""
+    value = np.asarray(proxy.value, np.float64)
+    return np.exp2(value) if _log_param(proxy.spec) else value
+
+
+def is_quant(spec: QuantSpec) -> bool:
+    """Whether codes are integers (so the integer kernels of qcore apply)."""
+    return spec.quant_type is QuantType.INT
