@@ -31,9 +31,12 @@ DEMO_DEPS = ["matplotlib", "scikit-learn"]
 PACKAGES: dict[str, list[str]] = {
     "qcore": [],
     "qflax": ["qcore"],
-    "qlitert": ["qcore", "qflax"],
+    "qlitert": ["qcore"],
     "qtorchlike": ["qcore"],
 }
+# Local packages a package's tests need beyond its own dependencies, installed from
+# packages/ like them (and named in the package's test dependency group).
+TEST_PACKAGES: dict[str, list[str]] = {"qlitert": ["qflax"]}
 # Each package's distribution name on the package index: the import names (qcore, ...)
 # are taken there by unrelated projects, so every distribution carries this prefix.
 DIST_PREFIX = "jaxquant-"
@@ -57,7 +60,8 @@ def _install_package(session: nox.Session, package: str) -> None:
     """Install ``package``, its local dependencies (editable) and its test group, nothing else."""
     pyproject = nox.project.load_toml(f"packages/{package}/pyproject.toml")
     test_group = nox.project.dependency_groups(pyproject, "test")
-    session.install(*_editable(*PACKAGES[package], package), *test_group)
+    local = [*PACKAGES[package], *TEST_PACKAGES.get(package, [])]
+    session.install(*_editable(*local, package), *test_group)
 
 
 @nox.session(python=PYTHON)

@@ -42,8 +42,17 @@ THIRD_PARTY = {
     "scikit-learn",
 }
 
-# Packages qcore must never depend on (DESIGN.md: qcore <- qflax <- qlitert, qcore <- qtorchlike).
+# Packages qcore must never depend on (docs/design.md: qcore <- qflax, qcore <- qlitert,
+# qcore <- qtorchlike).
 QCORE_FORBIDDEN = {"flax", "tensorflow", "torch", "litert", "qflax", "qlitert", "qtorchlike"}
+# The local packages each package may require (dependencies and extras) and import: the
+# dependencies point one way, and what two packages share lives in qcore.
+LOCAL_DEPS_ALLOWED = {
+    "qcore": set(),
+    "qflax": {"qcore"},
+    "qlitert": {"qcore"},
+    "qtorchlike": {"qcore", "qlitert"},  # qlitert only through the `litert` extra
+}
 
 
 def fenced_blocks(markdown: str) -> list[str]:
@@ -214,6 +223,51 @@ def test_qcore_depends_on_no_framework_or_downstream_package() -> None:
     forbidden = QCORE_FORBIDDEN | {f"{DIST_PREFIX}{n}" for n in QCORE_FORBIDDEN}
     assert not names & forbidden
     assert not {n for n in names if n.startswith(("ai-edge-litert", "litert", "tensorflow"))}
+
+
+def local_requirements(name: str) -> set[str]:
+    """The local packages a package requires (dependencies and extras, not test groups)."""
+    project = pyproject(name)["project"]
+    requirements = list(project.get("dependencies", []))
+    for extra in project.get("optional-dependencies", {}).values():
+        requirements += extra
+    return {DISTRIBUTIONS[d] for d in map(requirement_name, requirements) if d in DISTRIBUTIONS}
+
+
+def imported_packages(tree: ast.AST) -> set[str]:
+    """The top-level names of every ``import x`` / ``from x import ...`` (absolute) in a tree."""
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.add(node.module.split(".")[0])
+    return found
+
+
+def test_local_dependencies_point_one_way() -> None:
+    assert sorted(LOCAL_DEPS_ALLOWED) == PACKAGE_NAMES
+    for name in PACKAGE_NAMES:
+        assert local_requirements(name) <= LOCAL_DEPS_ALLOWED[name], name
+    assert local_requirements("qlitert") == {"qcore"}  # not qflax: rules come from qcore
+
+
+@pytest.mark.parametrize("name", PACKAGE_NAMES)
+def test_sources_import_only_the_local_packages_they_require(name: str) -> None:
+    others = set(PACKAGE_NAMES) - {name}
+    for path in sorted((PACKAGES_DIR / name / "src").rglob("*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+        extra = imported_packages(tree) & others - local_requirements(name)
+        assert not extra, (
+            f"{path.relative_to(ROOT)} imports {sorted(extra)}, not required by {name}"
+        )
+
+
+def test_imported_packages_finds_each_kind_of_import() -> None:
+    code = (
+        "import qflax.rule\nfrom qcore import rules\nfrom . import x\ndef f():\n    import qlitert"
+    )
+    assert imported_packages(ast.parse(code)) == {"qflax", "qcore", "qlitert"}
 
 
 def test_requirement_name_normalises() -> None:

@@ -127,3 +127,124 @@ def test_register_is_refused_while_interception_is_installed():
     with interception.intercept(run), pytest.raises(RuntimeError, match="quantized call runs"):
         qflax.register_op(qflax.OpDef(name="late", targets=lambda: (), bind=_bind))
     assert "late" not in qflax.op_names()
+
+
+def _closure():
+    k = 2
+
+    def scaled(x, w):
+        return jnp.einsum("bk,kn->bn", x, w) * k
+
+    return scaled
+
+
+def _keywords(x, **w):
+    return x
+
+
+@pytest.mark.parametrize(
+    ("targets", "fragment"),
+    [
+        (lambda: (np.matmul,), "not a Python function"),
+        (lambda: project, "must return a tuple of functions"),
+        (lambda: (_closure(),), "a closure"),
+        (lambda: (_keywords,), "takes **w"),
+        (lambda: (jnp.einsum,), "op 'einsum' intercepts it already"),
+        (lambda: (project, project), "named twice"),
+    ],
+)
+def test_register_checks_targets_at_once(targets, fragment):
+    with pytest.raises(ValueError, match="targets of op 'bad'") as err:
+        qflax.register_op(qflax.OpDef(name="bad", targets=targets, bind=_bind))
+    assert fragment in str(err.value)
+    assert "bad" not in qflax.op_names()
+
+
+def test_a_lookup_op_has_no_lora_or_calibration():
+    with pytest.raises(ValueError, match="lookup=True ops take no lora or calibration"):
+        qflax.OpDef(name="bad", targets=lambda: (project,), bind=_bind, lookup=True, lora=True)
+
+
+def test_lambda_and_star_args_targets_are_intercepted():
+    lam = lambda x, w: jnp.einsum("bk,kn->bn", x, w)  # noqa: E731 - the case under test
+
+    def star(*operands):
+        return jnp.einsum("bk,kn->bn", *operands)
+
+    ops = [
+        qflax.OpDef(
+            name="lam", targets=lambda: (lam,), bind=lambda a: _einsum("lam", a["x"], a["w"])
+        ),
+        qflax.OpDef(
+            name="star", targets=lambda: (star,), bind=lambda a: _einsum("star", *a["operands"])
+        ),
+    ]
+    for op, f in zip(ops, (lam, star), strict=True):
+        qflax.register_op(op)
+        try:
+
+            class M(nn.Module):
+                @nn.compact
+                def __call__(self, x, f=f):
+                    return f(x, self.param("w", nn.initializers.normal(1.0), (8, 5)))
+
+            rules = [qflax.QuantizationRule(op_names=(op.name,), weight_qtype="int8")]
+            x = jax.random.normal(jax.random.key(1), (3, 8))
+            qmodel = qflax.quantize_model(M(), qflax.PtqProvider(rules))
+            params = qmodel.init(jax.random.key(0), x)["params"]
+            float_w = M().init(jax.random.key(0), x)["params"]["w"]
+            _check_quantized(qmodel.apply({"params": params}, x), x, float_w, params["w"])
+        finally:
+            qflax.unregister_op(op.name)
+        assert not f.__code__.co_filename.startswith("<qflax")
+
+
+def _einsum(name, x, w):
+    return qflax.OpCall.from_einsum(name, "bk,kn->bn", x, w)
+
+
+@pytest.mark.parametrize(
+    ("bind", "error", "fragment"),
+    [
+        (lambda a: a["oops"], ValueError, "bind of op 'broken' raised KeyError('oops')"),
+        (lambda a: 42, TypeError, "bind of op 'broken' returned 42; allowed"),
+        (lambda a: _einsum("other", a["x"], a["w"]), ValueError, "name='other'"),
+    ],
+)
+def test_binder_errors_name_the_op(bind, error, fragment):
+    def broken(x, w):
+        return jnp.einsum("bk,kn->bn", x, w)
+
+    qflax.register_op(qflax.OpDef(name="broken", targets=lambda: (broken,), bind=bind))
+    try:
+
+        class M(nn.Module):
+            @nn.compact
+            def __call__(self, x):
+                return broken(x, self.param("w", nn.initializers.normal(1.0), (8, 5)))
+
+        rules = [qflax.QuantizationRule(op_names=("broken",), weight_qtype="int8")]
+        with pytest.raises(error) as err:
+            qflax.quantize_model(M(), qflax.PtqProvider(rules)).init(
+                jax.random.key(0), jnp.ones((2, 8))
+            )
+        assert fragment in str(err.value)
+    finally:
+        qflax.unregister_op("broken")
+
+
+def test_an_nnx_variable_passed_to_a_registered_op_is_a_weight(toy_op):
+    class Direct(nnx.Module):
+        def __init__(self, rngs):
+            self.w = nnx.Param(jax.random.normal(rngs.params(), (8, 5)))
+
+        def __call__(self, x):
+            return project(x, self.w)  # the Variable itself, not its value
+
+    x = jax.random.normal(jax.random.key(1), (3, 8))
+    model = Direct(nnx.Rngs(0))
+    float_w = model.w[...]
+    qflax.quantize_model(model, qflax.PtqProvider(_rules()), x)
+    qp = model.w.get_raw_value()
+    assert isinstance(qp, qflax.QuantizedParam)
+    _check_quantized(model(x), x, float_w, qp)

@@ -13,6 +13,7 @@ def test_public_api_is_pinned():
         "ExportError",
         "LiteRTModel",
         "ModelReport",
+        "Rule",
         "SiteKey",
         "UnsupportedOpError",
         "__version__",

@@ -1,5 +1,8 @@
 """Per-module rules: int16 activations (16x8), int4 weights, float modules, rule errors."""
 
+import dataclasses
+import subprocess
+import sys
 import warnings
 
 import flax.linen as nn
@@ -8,6 +11,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+import qcore
 import qlitert
 from qflax import QuantizationRule
 
@@ -159,9 +163,9 @@ def test_unused_rules_warn_and_bad_rules_raise():
     for kwargs, message in bad:
         with pytest.raises(ValueError, match=message):
             qlitert.calibrate(fn, [x], rules=[QuantizationRule(**kwargs)])
-    with warnings.catch_warnings():
+    with warnings.catch_warnings():  # (a qflax rule would warn: DeprecationWarning)
         warnings.simplefilter("error")
-        qlitert.calibrate(fn, [x], rules=[QuantizationRule(act_qtype="int8", weight_qtype="int8")])
+        qlitert.calibrate(fn, [x], rules=[qlitert.Rule(act_qtype="int8", weight_qtype="int8")])
 
 
 def test_int16_model_with_integer_io_takes_and_returns_int16_codes():
@@ -187,3 +191,135 @@ def test_int16_model_with_integer_io_takes_and_returns_int16_codes():
     np.testing.assert_allclose(
         qlitert.LiteRTModel(tfl)(batches[0]), qlitert.LiteRTModel(float_io)(batches[0]), atol=1e-6
     )
+
+
+# -- qlitert.Rule, and qflax rules (deprecated) ---------------------------------------
+
+
+def test_rule_validates_litert_types_at_construction():
+    assert qlitert.Rule() == qlitert.Rule(module_path=".*", act_qtype="int8", weight_qtype="int8")
+    rule = qlitert.Rule(act_qtype=qcore.qtypes.get("int16"), weight_qtype=None)
+    assert (rule.act_qtype, rule.weight_qtype) == ("int16", None)  # a QType becomes its name
+    bad = [
+        (dict(act_qtype="int4"), r"^act_qtype='int4': LiteRT activations are one of "
+         r"\['int8', 'int16'\] or None \(float\)$"),
+        (dict(act_qtype="int9"), r"^act_qtype='int9': LiteRT activations are one of"),
+        (dict(weight_qtype="int16"), r"^weight_qtype='int16': LiteRT weights are one of "
+         r"\['int8', 'int4'\] or None \(float\)$"),
+        (dict(weight_qtype=8), r"^weight_qtype=8: LiteRT weights are one of"),
+        (dict(act_qtype="int16", weight_qtype="int4"), "int16 activations need int8 weights"),
+        (dict(module_path="(a+)+$"), r"module_path='\(a\+\)\+\$' has a repeat inside"),
+        (dict(module_path=3), r"module_path=3 must be a regex string or a callable"),
+    ]  # fmt: skip
+    for kwargs, message in bad:
+        with pytest.raises(ValueError, match=message):
+            qlitert.Rule(**kwargs)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        rule.act_qtype = "int8"  # type: ignore[misc]
+
+
+def small_model():
+    model = nn.Sequential([nn.Dense(8), nn.relu, nn.Dense(4)])  # layers_0, layers_2
+    batches = [RNG.normal(size=(4, 6)).astype(np.float32) for _ in range(3)]
+    params = model.init(jax.random.key(0), batches[0])
+    return (lambda x: model.apply(params, x)), batches
+
+
+def annotated_outputs(fn, batches, rules):
+    cal = qlitert.calibrate(fn, batches, rules=rules)
+    return cal, np.asarray(qlitert.annotate(fn, cal)(batches[0]))
+
+
+def test_the_default_rule_is_what_no_rules_mean():
+    fn, batches = small_model()
+    cal_none, y_none = annotated_outputs(fn, batches, None)
+    cal_rule, y_rule = annotated_outputs(fn, batches, [qlitert.Rule()])
+    assert cal_rule.ranges == cal_none.ranges
+    np.testing.assert_array_equal(y_rule, y_none)
+    assert np.max(np.abs(y_none - np.asarray(fn(batches[0])))) > 0  # quantized, not float
+
+
+def test_qflax_rules_still_work_with_a_deprecation_warning():
+    fn, batches = small_model()
+    new = [
+        qlitert.Rule(module_path="layers_2", act_qtype=None, weight_qtype=None),
+        qlitert.Rule(weight_qtype="int4"),
+    ]
+    old = [
+        QuantizationRule(module_path="layers_2"),
+        QuantizationRule(act_qtype="int8", weight_qtype="int4", act_static_scale=True),
+    ]
+    cal_new, y_new = annotated_outputs(fn, batches, new)
+    with pytest.warns(DeprecationWarning) as record:
+        cal_old, y_old = annotated_outputs(fn, batches, old)
+    [warning] = [w for w in record if w.category is DeprecationWarning]
+    assert str(warning.message) == (
+        "qflax.QuantizationRule rules are deprecated in qlitert (rules[0, 1]); use "
+        "qlitert.Rule: qlitert.Rule(module_path='layers_2', act_qtype=None, weight_qtype=None), "
+        "qlitert.Rule(module_path='.*', act_qtype='int8', weight_qtype='int4')"
+    )
+    assert warning.filename == __file__  # points at the caller of calibrate
+    assert cal_old.rules == tuple(new)
+    assert cal_old.ranges == cal_new.ranges
+    np.testing.assert_array_equal(y_old, y_new)
+    with pytest.warns(DeprecationWarning) as record:
+        assert qlitert.rules.check(old[1]) == (new[1],)  # a single rule
+    assert record[0].filename == __file__
+
+
+def test_qflax_rule_fields_that_litert_fixes_must_keep_their_defaults():
+    for kwargs, field in [
+        (dict(op_names=("dot_general",)), r"op_names=\('dot_general',\)"),
+        (dict(weight_calibration_method="mse"), "weight_calibration_method='mse'"),
+        (dict(act_batch_axes=(0,)), r"act_batch_axes=\(0,\)"),
+    ]:
+        with pytest.raises(ValueError, match=rf"^rules\[0\]\.{field}: LiteRT fixes this .*; "
+                           "leave it at "):  # fmt: skip
+            qlitert.rules.check([QuantizationRule(act_qtype="int8", **kwargs)])
+    # Fields that change nothing in a LiteRT model are accepted.
+    with pytest.warns(DeprecationWarning):
+        rule = QuantizationRule(act_qtype="int8", act_static_scale=True, rotation_seed=3)
+        assert qlitert.rules.check([rule]) == (qlitert.Rule(weight_qtype=None),)
+
+
+def test_any_dataclass_rule_is_read_by_its_dataclass_defaults():
+    @dataclasses.dataclass(frozen=True)
+    class MyRule:
+        module_path: str = ".*"
+        act_qtype: str | None = "int16"
+        weight_qtype: str | None = "int8"
+        tags: list = dataclasses.field(default_factory=lambda: ["a"])
+        note: str = "x"
+
+    with pytest.warns(DeprecationWarning, match=r"^test_rules.MyRule rules are deprecated"):
+        assert qlitert.rules.check([MyRule(tags=("a",))]) == (qlitert.Rule(act_qtype="int16"),)
+    with pytest.raises(ValueError, match=r"^rules\[1\]\.note='y': LiteRT fixes .* leave it at 'x'"):
+        qlitert.rules.check([qlitert.Rule(), MyRule(note="y")])
+    with pytest.raises(ValueError, match=r"^rules\[0\]\.act_qtype='int4': LiteRT activations"):
+        qlitert.rules.check([MyRule(act_qtype="int4")])
+    with pytest.warns(DeprecationWarning):  # any iterable, read once
+        got = qlitert.rules.check(r for r in [qlitert.Rule(), MyRule()])
+    assert got == (qlitert.Rule(), qlitert.Rule(act_qtype="int16"))
+    for bad in ({"module_path": ".*"}, "int8", qlitert.Rule):
+        with pytest.raises(ValueError, match=r"^rules\[0\]=.* is not a qlitert.Rule"):
+            qlitert.rules.check([bad])
+
+
+def test_qlitert_does_not_import_qflax():
+    code = """if True:
+        import importlib.abc, sys
+
+        class NoQflax(importlib.abc.MetaPathFinder):
+            def find_spec(self, name, path=None, target=None):
+                if name.split(".")[0] == "qflax":
+                    raise ImportError(f"{name} is blocked")
+
+        sys.meta_path.insert(0, NoQflax())
+        import jax.numpy as jnp, numpy as np, qlitert
+        x = np.ones((2, 3), np.float32)
+        cal = qlitert.calibrate(jnp.tanh, [x], rules=[qlitert.Rule(module_path="")])
+        print(sorted(m for m in sys.modules if m.split(".")[0] == "qflax"), len(cal.ranges) > 0)
+    """
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[] True"

@@ -7,7 +7,8 @@ dequantize (:mod:`qcore.qarray`), rounding and scale arithmetic
 (:mod:`qcore.fakequant`), sub-byte packing (:mod:`qcore.packing`), error
 metrics (:mod:`qcore.metrics`) and ops that take QArrays (:mod:`qcore.ops`:
 ``dot_general``, ``einsum``, ``dot``, ``matmul``, ``conv_general_dilated``,
-``ragged_dot``, ``take``). Depends on jax, numpy and ml_dtypes only.
+``ragged_dot``, ``take``), and rules selected by module path (:mod:`qcore.rules`,
+shared by qflax and qlitert). Depends on jax, numpy and ml_dtypes only.
 
 Example:
     >>> import jax.numpy as jnp

@@ -26,8 +26,9 @@ from qflax import (
     smoothquant,
     stats,
 )
+from qflax._engine.context import CallContext
 from qflax._engine.dispatch import LookupSite, OpSite
-from qflax._engine.opcall import OpCall
+from qflax._engine.opcall import OpCall, TakeCall
 from qflax._engine.registry import BUILTIN_NAMES as OP_NAMES
 from qflax._engine.registry import OpDef
 from qflax._engine.registry import names as op_names
@@ -45,6 +46,7 @@ __version__ = "0.1.0"
 __all__ = [
     "OP_NAMES",
     "ActScale",
+    "CallContext",
     "LoraParam",
     "LoraProvider",
     "LookupSite",
@@ -60,6 +62,7 @@ __all__ = [
     "QuantizedLinen",
     "QuantizedParam",
     "RuleMatcher",
+    "TakeCall",
     "__version__",
     "awq",
     "calibration",

@@ -34,14 +34,11 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import re
-import threading
-import warnings
 from collections.abc import Callable, Mapping, Sequence
-from re import _parser as _sre_parser  # pyright: ignore[reportAttributeAccessIssue]
 from typing import Any, cast
 
 import qcore
+import qcore.rules
 from qcore import HowToQuantize
 from qflax._engine import registry
 
@@ -107,12 +104,7 @@ class QuantizationRule:
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
-        if isinstance(self.module_path, str):
-            _check_pattern(self.module_path)
-        elif not callable(self.module_path):
-            raise ValueError(
-                f"module_path={self.module_path!r} must be a regex string or a callable"
-            )
+        qcore.rules.check_module_path(self.module_path)
         names = (self.op_names,) if isinstance(self.op_names, str) else tuple(self.op_names)
         known = registry.names()
         unknown = sorted(set(names) - set(known), key=str)
@@ -159,11 +151,7 @@ class QuantizationRule:
 
     def matches(self, path: str, op_name: str) -> bool:
         """Whether this rule applies to op ``op_name`` called by the module at ``path``."""
-        if op_name not in self.op_names:
-            return False
-        if callable(self.module_path):
-            return bool(self.module_path(path))
-        return re.fullmatch(self.module_path, path) is not None
+        return op_name in self.op_names and qcore.rules.path_matches(self.module_path, path)
 
     def weight_spec(self, ndim: int, contracting_axes: Sequence[int]) -> HowToQuantize | None:
         """The qcore spec of a weight of rank ``ndim`` contracted over ``contracting_axes``.
@@ -277,58 +265,6 @@ class QuantizationRule:
         return tiles
 
 
-# Regex nodes that repeat their body (sre's parse tree), and the bound of "unbounded".
-_REPEATS = ("MAX_REPEAT", "MIN_REPEAT", "POSSESSIVE_REPEAT")
-_MAX_REPEATS = 4
-
-
-def _check_pattern(pattern: str) -> None:
-    """Rejects regexes that do not compile or whose matching can backtrack catastrophically.
-
-    Rules come from files (checkpoints), so a pattern must not be able to hang the
-    matcher: a repeated group may not contain another repeat or an alternation (the
-    exponential cases like ``(a+)+$`` and ``(a|a)*$``), backreferences are refused, and
-    at most ``_MAX_REPEATS`` repeats bound the polynomial cost of ``.*.*.*...``.
-    """
-    try:
-        tree = _sre_parser.parse(pattern)
-    except re.error as err:
-        raise ValueError(f"module_path={pattern!r} is not a valid regex: {err}") from None
-    repeats = 0
-    problem = None
-    stack: list[tuple[Any, bool]] = [(tree, False)]
-    while stack and problem is None:
-        items, repeated = stack.pop()
-        for op, arg in items:
-            name = str(op)
-            if name in _REPEATS:
-                lo, hi, body = arg
-                if hi > 1:
-                    repeats += 1
-                    if repeated:
-                        problem = "a repeat inside a repeated group (e.g. (a+)+)"
-                stack.append((body, repeated or hi > 1))
-            elif name == "BRANCH":
-                if repeated:
-                    problem = "an alternation inside a repeated group (e.g. (a|ab)*)"
-                stack.extend((b, repeated) for b in arg[1])
-            elif name in ("GROUPREF", "GROUPREF_EXISTS"):
-                problem = "a backreference"
-            elif name in ("SUBPATTERN", "ASSERT", "ASSERT_NOT"):
-                stack.append((arg[-1], repeated))
-            elif name == "ATOMIC_GROUP":
-                stack.append((arg, repeated))
-    if problem is None and repeats > _MAX_REPEATS:
-        problem = f"{repeats} repeats"
-    if problem is not None:
-        raise ValueError(
-            f"module_path={pattern!r} has {problem}, which can make matching very slow "
-            f"(catastrophic backtracking); allowed: regexes without nested repeats, alternations "
-            f"inside repeats or backreferences, with at most {_MAX_REPEATS} repeats "
-            "(e.g. r'layers/\\d+/.*'), or a callable"
-        )
-
-
 def _packable(qtype: Any) -> bool:
     return qcore.qtypes.get(qtype).packable
 
@@ -353,7 +289,11 @@ def _check_tile_size(tile: TileSize) -> None:
 
 
 class RuleMatcher:
-    """First-match-wins rule lookup that records which rules were used (thread-safe)."""
+    """First-match-wins rule lookup that records which rules were used (thread-safe).
+
+    Built on :class:`qcore.rules.RuleMatcher` (which qlitert's rules share), with
+    op names: a rule applies when its path matches and it names the op.
+    """
 
     def __init__(self, rules: Sequence[QuantizationRule]) -> None:
         if isinstance(rules, QuantizationRule | str | Mapping) or not hasattr(rules, "__iter__"):
@@ -365,31 +305,25 @@ class RuleMatcher:
         for i, r in enumerate(rules):
             if not isinstance(r, QuantizationRule):
                 raise ValueError(f"rules[{i}]={r!r} is not a qflax.QuantizationRule")
-        self.rules = rules
-        self._used: set[int] = set()
-        self._lock = threading.Lock()
+        self._matcher = qcore.rules.RuleMatcher(rules, applies=QuantizationRule.matches)
+        self.rules = self._matcher.rules
 
     def match(self, path: str, op_name: str) -> QuantizationRule | None:
         """The first rule matching ``(path, op_name)``, or None (the op stays float)."""
-        for i, rule in enumerate(self.rules):
-            if rule.matches(path, op_name):
-                with self._lock:
-                    self._used.add(i)
-                return rule
-        return None
+        return self._matcher.match(path, op_name)
 
     def unused_rules(self) -> list[QuantizationRule]:
         """Rules that have not matched any op so far."""
-        with self._lock:
-            return [r for i, r in enumerate(self.rules) if i not in self._used]
+        return self._matcher.unused_rules()
 
     def warn_unused(self) -> None:
         """Warns (``UserWarning``) about every rule that matched nothing."""
-        for rule in self.unused_rules():
-            warnings.warn(
-                f"quantization rule with module_path={rule.module_path!r} and op_names="
-                f"{rule.op_names} matched no op; check the path (module paths look like "
-                "'layers/0/mlp/Dense_0')",
-                UserWarning,
-                stacklevel=2,
-            )
+        self._matcher.warn_unused(_unused_message, stacklevel=2)
+
+
+def _unused_message(index: int, rule: QuantizationRule) -> str:
+    return (
+        f"quantization rule with module_path={rule.module_path!r} and op_names="
+        f"{rule.op_names} matched no op; check the path (module paths look like "
+        "'layers/0/mlp/Dense_0')"
+    )

@@ -1,8 +1,8 @@
 """qlitert: full-integer LiteRT (``.tflite``) export of quantized JAX models.
 
-Calibrate a function (:func:`calibrate`, optionally with per-module
-:mod:`~qlitert.rules`), fine-tune it with the LiteRT rounding (:func:`qat`) and
-annotate it (:func:`annotate`) — or annotate its quantization by hand with
+Calibrate a function (:func:`calibrate`, optionally with per-module :class:`Rule`
+objects, see :mod:`~qlitert.rules`), fine-tune it with the LiteRT rounding
+(:func:`qat`) and annotate it (:func:`annotate`) — or annotate its quantization by hand with
 :mod:`qlitert.qdq` (``quant.fake_quant`` composites with static scales) — then
 :func:`export` converts it with litert-converter and validates the result
 (integer kernels only, outputs within one step of JAX); :func:`inspect` lists a
@@ -24,6 +24,7 @@ from qlitert.export import (
 )
 from qlitert.inspection import ModelReport, inspect
 from qlitert.interpreter import UnsupportedOpError
+from qlitert.rules import Rule
 from qlitert.runtime import LiteRTModel
 from qlitert.scopes import SiteKey
 
@@ -35,6 +36,7 @@ __all__ = [
     "ExportError",
     "LiteRTModel",
     "ModelReport",
+    "Rule",
     "SiteKey",
     "UnsupportedOpError",
     "__version__",

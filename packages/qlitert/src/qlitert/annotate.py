@@ -46,7 +46,6 @@ Example:
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -54,7 +53,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import qflax
+import qcore.rules
 from qlitert import qdq, scopes
 from qlitert import rules as _rules
 from qlitert.calibration import Calibration, NonFiniteError
@@ -125,7 +124,7 @@ def calibrate(
     fn: Callable[..., Any],
     batches: Iterable[Any],
     *,
-    rules: Sequence[qflax.QuantizationRule] | None = None,
+    rules: Sequence[_rules.Rule] | _rules.Rule | None = None,
     momentum: float = 0.99,
     strict: bool = True,
 ) -> Calibration:
@@ -134,8 +133,10 @@ def calibrate(
     Args:
         fn: The function, parameters closed over.
         batches: Inputs: arrays, or tuples of arrays for several inputs.
-        rules: Per-module types (:mod:`qlitert.rules`); None quantizes every op
-            to int8. Kept in the calibration for :func:`annotate` and :func:`qat`.
+        rules: Per-module types, :class:`qlitert.Rule` objects (first match wins,
+            :mod:`qlitert.rules`); None quantizes every op to int8. Kept in the
+            calibration for :func:`annotate` and :func:`qat`. ``qflax.QuantizationRule``
+            objects are converted, with a ``DeprecationWarning``.
         momentum: See :class:`Calibration`.
         strict: Raise on ops that cannot be quantized (else they stay float).
 
@@ -156,7 +157,7 @@ def calibrate(
             f"batches is one array of shape {batches.shape}; allowed: an iterable of "
             "batches, e.g. [x] (iterating an array would calibrate on its rows)"
         )
-    cal = Calibration(momentum=momentum, rules=_rules.check(rules), strict=strict)
+    cal = Calibration(momentum=momentum, rules=_rules._check(rules, stacklevel=3), strict=strict)
     used: set[int] = set()
     first: tuple[np.ndarray, ...] | None = None
     for b, batch in enumerate(batches):
@@ -170,15 +171,15 @@ def calibrate(
         used |= interp.used_rules
     if first is None:
         raise ValueError("batches is empty; allowed: at least one batch")
-    for i, rule in enumerate(cal.rules):
-        if i not in used:
-            warnings.warn(
-                f"rules[{i}] (module_path={rule.module_path!r}) matched no op; module "
-                "paths look like 'layers/0/Dense_0' (Linen) or 'layers/0/linear' (NNX)",
-                UserWarning,
-                stacklevel=2,
-            )
+    qcore.rules.warn_unused(cal.rules, used, _unused_message, stacklevel=2)
     return cal
+
+
+def _unused_message(index: int, rule: _rules.Rule) -> str:
+    return (
+        f"rules[{index}] (module_path={rule.module_path!r}) matched no op; module paths "
+        "look like 'layers/0/Dense_0' (Linen) or 'layers/0/linear' (NNX)"
+    )
 
 
 def _batch(batch: Any, b: int, first: tuple[np.ndarray, ...] | None) -> tuple[np.ndarray, ...]:

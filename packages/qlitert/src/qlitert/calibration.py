@@ -31,8 +31,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import qflax
 from qlitert import qdq
+from qlitert.rules import Rule
 
 
 class NonFiniteError(ValueError):
@@ -60,7 +60,7 @@ class Calibration:
     ranges: dict[str, list[float]] = dataclasses.field(default_factory=dict)
     counts: dict[str, int] = dataclasses.field(default_factory=dict)
     momentum: float = 0.99
-    rules: tuple[qflax.QuantizationRule, ...] = ()
+    rules: tuple[Rule, ...] = ()
     strict: bool = True
 
     def observe(self, site: str, x: Any) -> None:

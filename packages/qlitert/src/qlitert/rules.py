@@ -1,10 +1,10 @@
-r"""Which LiteRT types each module's ops get: qflax rules, read for LiteRT.
+r"""Which LiteRT types each module's ops get: :class:`Rule`, matched by module path.
 
-qlitert takes the same :class:`qflax.QuantizationRule` objects as qflax and
-matches them against the path of the module that computes each op (first match
-wins). Quantization is tensor-centric: a rule's ``act_qtype`` is the type of
-the *outputs* of the ops in the matched modules, ``weight_qtype`` the type of
-their matmul / convolution weights.
+A :class:`Rule` selects modules by the path of the module that computes each op
+(first match wins: :mod:`qcore.rules` matches them, as it matches qflax's rules).
+Quantization is tensor-centric: a rule's ``act_qtype`` is the type of the
+*outputs* of the ops in the matched modules, ``weight_qtype`` the type of their
+matmul / convolution weights.
 
 ========================  ============================================================
 ``act_qtype``             ``"int8"`` (asymmetric), ``"int16"`` (symmetric, zero point 0:
@@ -13,18 +13,19 @@ their matmul / convolution weights.
                           output channel), None (float weight)
 ========================  ============================================================
 
-An op no rule matches stays float. Without rules every op is int8. The other
-rule fields select what TFLite's kernels fix (per-tensor activations, min/max
-ranges, per-channel weights, no rotation), so they must keep their defaults.
+An op no rule matches stays float. Without rules every op is int8, as with
+``[Rule()]``. Everything else is what TFLite's kernels fix (per-tensor min/max
+activations, per-channel absmax weights, every op of the module, no rotation).
+
+``qflax.QuantizationRule`` objects (any dataclass rule with ``module_path``,
+``act_qtype`` and ``weight_qtype``) are still accepted when their other fields
+keep their defaults, with a ``DeprecationWarning`` naming the equivalent
+:class:`Rule`.
 
 Example:
-    >>> import qflax
     >>> from qlitert import rules
     >>> r = rules.check(
-    ...     [
-    ...         qflax.QuantizationRule(module_path="head", act_qtype="int16", weight_qtype="int8"),
-    ...         qflax.QuantizationRule(module_path=".*", act_qtype="int8", weight_qtype="int4"),
-    ...     ]
+    ...     [rules.Rule(module_path="head", act_qtype="int16"), rules.Rule(weight_qtype="int4")]
     ... )
     >>> rules.lookup(r, "head"), rules.lookup(r, "blocks/0/mlp")
     ((0, OpTypes(act='i16', weight='i8')), (1, OpTypes(act='i8', weight='i4')))
@@ -33,19 +34,80 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import re
-from collections.abc import Sequence
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import qcore
-import qflax
+import qcore.rules
 
 ACT_TYPES = {"int8": "i8", "int16": "i16"}
 WEIGHT_TYPES = {"int8": "i8", "int4": "i4"}
-_DEFAULTS = qflax.QuantizationRule()
-_FIXED = (
-    "op_names", "tile_size", "weight_calibration_method", "act_calibration_method",
-    "act_batch_axes", "rotation",
-)  # fmt: skip
+_OWN = ("module_path", "act_qtype", "weight_qtype")
+# Fields of other rule types that change nothing in a LiteRT model: its activation
+# scales are always static, and a rotation seed does nothing without a rotation.
+_IGNORED = ("act_static_scale", "rotation_seed")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Rule:
+    """LiteRT types for the ops of the modules that ``module_path`` selects.
+
+    Attributes:
+        module_path: Regex fullmatched against the ``/``-joined path of the module
+            that computes an op (``".*"``: every module, ``""``: the root), or a
+            callable ``path -> bool``. Regexes that can backtrack catastrophically
+            are refused (:func:`qcore.rules.check_module_path`).
+        act_qtype: Type of the ops' outputs: ``"int8"`` (asymmetric), ``"int16"``
+            (symmetric, TFLite's 16x8 kernels, which need int8 weights) or None
+            (float). A :class:`qcore.QType` is stored as its name.
+        weight_qtype: Type of matmul and convolution weights: ``"int8"`` or
+            ``"int4"`` (symmetric, narrow range, per output channel) or None (float).
+
+    Raises:
+        ValueError: For another type, int16 activations with int4 weights, or a
+            ``module_path`` that is neither a safe regex nor a callable.
+
+    Example:
+        >>> import qlitert
+        >>> qlitert.Rule(module_path="head", act_qtype="int16")
+        Rule(module_path='head', act_qtype='int16', weight_qtype='int8')
+        >>> qlitert.Rule(act_qtype="int4")
+        Traceback (most recent call last):
+        ...
+        ValueError: act_qtype='int4': LiteRT activations are one of ['int8', 'int16'] ...
+    """
+
+    module_path: str | Callable[[str], bool] = ".*"
+    act_qtype: str | qcore.QType | None = "int8"
+    weight_qtype: str | qcore.QType | None = "int8"
+
+    def __post_init__(self) -> None:
+        qcore.rules.check_module_path(self.module_path)
+        act = _type_name("act_qtype", self.act_qtype, ACT_TYPES, "activations")
+        weight = _type_name("weight_qtype", self.weight_qtype, WEIGHT_TYPES, "weights")
+        if act == "int16" and weight == "int4":
+            raise ValueError(
+                "act_qtype='int16', weight_qtype='int4': int16 activations need int8 weights "
+                "(TFLite's 16x8 kernels); int4 weights go with int8 activations"
+            )
+        object.__setattr__(self, "act_qtype", act)
+        object.__setattr__(self, "weight_qtype", weight)
+
+
+def _type_name(field: str, value: Any, allowed: dict[str, str], what: str) -> str | None:
+    """The qtype name of ``value`` (None stays None) if LiteRT has it."""
+    if value is None:
+        return None
+    try:
+        name = qcore.qtypes.get(value).name
+    except (TypeError, ValueError):
+        name = value
+    if not (isinstance(name, str) and name in allowed):
+        raise ValueError(
+            f"{field}={name!r}: LiteRT {what} are one of {list(allowed)} or None (float)"
+        )
+    return name
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,68 +122,102 @@ INT8 = OpTypes("i8", "i8")
 FLOAT = OpTypes(None, None)
 
 
-def _name(qtype: str | qcore.QType | None) -> str | None:
-    return None if qtype is None else qcore.qtypes.get(qtype).name
+def check(rules: Sequence[Rule] | Rule | None) -> tuple[Rule, ...]:
+    """Validates rules for LiteRT; returns them as a tuple of :class:`Rule` (``()`` for None).
 
-
-def check(rules: Sequence[qflax.QuantizationRule] | None) -> tuple[qflax.QuantizationRule, ...]:
-    """Validates rules for LiteRT; returns them as a tuple (``()`` for None).
+    Other dataclass rules (``qflax.QuantizationRule``) are converted, with a
+    ``DeprecationWarning``, if their fields beyond ``module_path``, ``act_qtype``
+    and ``weight_qtype`` keep their defaults.
 
     Raises:
         ValueError: Naming the rule, the field, its value and what is allowed.
     """
+    return _check(rules, stacklevel=3)
+
+
+def _check(rules: Any, stacklevel: int) -> tuple[Rule, ...]:
+    """:func:`check`, warning ``stacklevel`` frames up (as for :func:`warnings.warn`)."""
     if rules is None:
         return ()
-    if isinstance(rules, qflax.QuantizationRule):
-        rules = [rules]
-    out = []
-    for i, rule in enumerate(rules):
-        if not isinstance(rule, qflax.QuantizationRule):
-            raise ValueError(f"rules[{i}]={rule!r} is not a qflax.QuantizationRule")
-        act, weight = _name(rule.act_qtype), _name(rule.weight_qtype)
-        if act is not None and act not in ACT_TYPES:
-            raise ValueError(
-                f"rules[{i}].act_qtype={act!r}: LiteRT activations are one of "
-                f"{list(ACT_TYPES)} or None (float)"
+    rules = [rules] if isinstance(rules, Rule) or _is_rule_like(rules) else list(rules)
+    out = tuple(_as_rule(rule, i) for i, rule in enumerate(rules))
+    old = [i for i, rule in enumerate(rules) if not isinstance(rule, Rule)]
+    if old:
+        kind = type(rules[old[0]])
+        warnings.warn(
+            f"{kind.__module__.split('.')[0]}.{kind.__name__} rules are deprecated in "
+            f"qlitert (rules{old}); use qlitert.Rule: "
+            + ", ".join(f"qlitert.{out[i]!r}" for i in old),
+            DeprecationWarning,
+            stacklevel=stacklevel,
+        )
+    return out
+
+
+def _is_rule_like(rule: Any) -> bool:
+    """A dataclass instance with the fields of a :class:`Rule` (e.g. a qflax rule)."""
+    if not dataclasses.is_dataclass(rule) or isinstance(rule, type):
+        return False
+    return set(_OWN) <= {f.name for f in dataclasses.fields(rule)}
+
+
+def _as_rule(rule: Any, i: int) -> Rule:
+    """``rules[i]`` as a :class:`Rule`; other rule types only with LiteRT's fixed defaults."""
+    if isinstance(rule, Rule):
+        return rule
+    if not _is_rule_like(rule):
+        raise ValueError(
+            f"rules[{i}]={rule!r} is not a qlitert.Rule (nor a deprecated "
+            "qflax.QuantizationRule); allowed: qlitert.Rule(module_path=..., act_qtype=..., "
+            "weight_qtype=...)"
+        )
+    try:
+        converted = Rule(**{name: getattr(rule, name) for name in _OWN})
+    except ValueError as err:
+        raise ValueError(f"rules[{i}].{err}") from None
+    for field in dataclasses.fields(rule):
+        if field.name in _OWN or field.name in _IGNORED:
+            continue
+        value, default = _tupled(getattr(rule, field.name)), _tupled(_default(field))
+        if value != default:
+            keep = (
+                "qlitert reads only module_path, act_qtype and weight_qtype"
+                if default is dataclasses.MISSING
+                else f"leave it at {default!r}"
             )
-        if weight is not None and weight not in WEIGHT_TYPES:
             raise ValueError(
-                f"rules[{i}].weight_qtype={weight!r}: LiteRT weights are one of "
-                f"{list(WEIGHT_TYPES)} or None (float)"
+                f"rules[{i}].{field.name}={getattr(rule, field.name)!r}: LiteRT fixes this "
+                f"(per-tensor min/max activations, per-channel absmax weights, every op "
+                f"of the module, no rotation); {keep}"
             )
-        if act == "int16" and weight == "int4":
-            raise ValueError(
-                f"rules[{i}]: int16 activations need int8 weights (TFLite's 16x8 kernels); "
-                "int4 weights go with int8 activations"
-            )
-        for field in _FIXED:
-            if getattr(rule, field) != getattr(_DEFAULTS, field):
-                raise ValueError(
-                    f"rules[{i}].{field}={getattr(rule, field)!r}: LiteRT fixes this "
-                    f"(per-tensor min/max activations, per-channel absmax weights, every op "
-                    f"of the module, no rotation); leave it at {getattr(_DEFAULTS, field)!r}"
-                )
-        out.append(rule)
-    return tuple(out)
+    return converted
 
 
-def _matches(rule: qflax.QuantizationRule, path: str) -> bool:
-    if callable(rule.module_path):
-        return bool(rule.module_path(path))
-    return re.fullmatch(rule.module_path, path) is not None
+def _default(field: dataclasses.Field) -> Any:
+    if field.default is not dataclasses.MISSING:
+        return field.default
+    if field.default_factory is not dataclasses.MISSING:
+        return field.default_factory()
+    return dataclasses.MISSING
 
 
-def lookup(rules: tuple[qflax.QuantizationRule, ...], path: str) -> tuple[int | None, OpTypes]:
+def _tupled(value: Any) -> Any:
+    """Lists as tuples, so that a normalised field compares equal to its default."""
+    return tuple(value) if isinstance(value, list | tuple) else value
+
+
+def lookup(rules: tuple[Rule, ...], path: str) -> tuple[int | None, OpTypes]:
     """The first rule matching ``path`` (its index, or None) and the types it gives.
 
     Without rules every op is int8; with rules, an op none matches is float.
     """
     if not rules:
         return None, INT8
-    i = next((i for i, r in enumerate(rules) if _matches(r, path)), None)
+    i = qcore.rules.first_match(rules, path)
     if i is None:
         return None, FLOAT
-    act, weight = _name(rules[i].act_qtype), _name(rules[i].weight_qtype)
+    act, weight = rules[i].act_qtype, rules[i].weight_qtype
     return i, OpTypes(
-        None if act is None else ACT_TYPES[act], None if weight is None else WEIGHT_TYPES[weight]
+        None if act is None else ACT_TYPES[qcore.qtypes.get(act).name],
+        None if weight is None else WEIGHT_TYPES[qcore.qtypes.get(weight).name],
     )

@@ -10,9 +10,9 @@ the module (``layers/0``; the class name for the root). It uses a thread-local
 profile hook, so neither the modules nor their classes are changed and other
 threads are unaffected.
 
-:func:`module_path` turns a name stack into the ``/``-joined path that
-:class:`qflax.QuantizationRule` matches (the root's name dropped), the same path
-qflax uses. :class:`SiteKey` names a quantization site by its order, its op and
+:func:`module_path` turns a name stack into the ``/``-joined path that a
+:class:`qlitert.Rule` matches (the root's name dropped), the same path qflax's
+rules match. :class:`SiteKey` names a quantization site by its order, its op and
 its name stack.
 
 Example:

@@ -52,14 +52,15 @@ class Source:
         value: The stored value (unboxed): a float array or a QuantizedParam.
         holder: The Linen scope or the NNX variable holding it.
         name: The parameter's name in its module.
-        chain: Reshapes/transposes applied between the read and the op.
+        transforms: Reshapes/transposes applied between the read and the op (what
+            becomes the recipe's ``transforms``).
     """
 
     path: str
     value: Any
     holder: Any
     name: str
-    chain: tuple[Transform, ...] = ()
+    transforms: tuple[Transform, ...] = ()
 
 
 class CallContext:
@@ -138,7 +139,7 @@ class CallContext:
                 perm = args[1] if len(args) > 1 else kwargs["permutation"]
                 step = (("transpose", tuple(int(p) for p in perm)),)
             src = entry[1]
-            self._keep(out, dataclasses.replace(src, chain=src.chain + step))
+            self._keep(out, dataclasses.replace(src, transforms=src.transforms + step))
         return out
 
     def _keep(self, value: Any, source: Source) -> None:
@@ -179,6 +180,12 @@ class CallContext:
             return s
         self._keep(out, Source(path, out, var, attr))
         return out
+
+    def read(self, value: Any) -> Any:
+        """``value``, or, for an NNX variable passed to an op as it is, its recorded value."""
+        if not isinstance(value, nnx.Variable):
+            return value
+        return self._nnx_read(value, value.get_value())
 
     # -- queries used by the providers ---------------------------------------------
     def source(self, operand: Any) -> Source | None:

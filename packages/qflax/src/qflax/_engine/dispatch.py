@@ -153,7 +153,9 @@ def classify(
     rule = matcher.match(path, name)
     if rule is None:
         return None
-    call = bind(op.bind, original, args, kwargs)
+    args = tuple(ctx.read(a) for a in args)
+    kwargs = {k: ctx.read(v) for k, v in kwargs.items()}
+    call = _bind(op, original, args, kwargs)
     if call is None:
         return None
     base = {
@@ -174,6 +176,31 @@ def classify(
         _plan(call, rule, 1, site, sources[1], path),
     )
     return OpSite(**base, call=call, sources=sources, plans=plans)
+
+
+def _bind(
+    op: registry.OpDef, original: Callable[..., Any], args: tuple, kwargs: dict
+) -> OpCall | TakeCall | None:
+    """``bind(op.bind, ...)``, with a registered op's binder checked and its errors named."""
+    if op.name in registry.BUILTIN_NAMES:
+        return bind(op.bind, original, args, kwargs)
+    try:
+        call = bind(op.bind, original, args, kwargs)
+    except Exception as err:
+        raise ValueError(
+            f"bind of op {op.name!r} raised {err!r}; a binder returns an OpCall, a TakeCall "
+            "or None for the call's arguments"
+        ) from err
+    if call is not None and not isinstance(call, OpCall | TakeCall):
+        raise TypeError(
+            f"bind of op {op.name!r} returned {call!r}; allowed: an OpCall, a TakeCall or None"
+        )
+    if call is not None and call.name != op.name:
+        raise ValueError(
+            f"bind of op {op.name!r} returned a call with name={call.name!r}; allowed: "
+            f"name={op.name!r} (e.g. OpCall.from_einsum({op.name!r}, ...))"
+        )
+    return call
 
 
 def _first(kwargs: dict) -> Any:

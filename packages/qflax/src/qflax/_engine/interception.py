@@ -106,7 +106,7 @@ def _targets() -> list[tuple[str, types.FunctionType]]:
             raise TypeError(f"cannot intercept {f!r}: not a Python function")
         return f
 
-    targets = [(op.name, python_function(f)) for op in registry.ops() for f in op.targets()]
+    targets = [(op.name, f) for op in registry.ops() for f in registry.target_functions(op)]
     targets += [
         ("linen_get_variable", python_function(_scope.Scope.get_variable)),
         ("linen_put_variable", python_function(_scope.Scope.put_variable)),
@@ -174,13 +174,16 @@ def _trampoline_code(f: types.FunctionType, index: int) -> types.CodeType:
         params.insert(n_pos_only, "/")
     args = "(" + "".join(f"{n}, " for n in positional) + ")"
     if star:
-        args = f"({''.join(f'{n}, ' for n in positional)}*{star})"
+        args = f"({''.join(f'{n}, ' for n in positional)}*{star},)"
     kwargs = "{" + ", ".join(f"{k!r}: {k}" for k in keywords) + "}"
     body = f"    return {_DISPATCH}({index}, {args}, {kwargs})\n"
-    src = f"def {f.__name__}({', '.join(params)}):\n{body}"
+    src = f"def trampoline({', '.join(params)}):\n{body}"
     namespace: dict[str, Any] = {}
     exec(compile(src, f"<qflax interception of {f.__qualname__}>", "exec"), {}, namespace)  # noqa: S102
-    code = namespace[f.__name__].__code__
+    # Named like f (a lambda's name is not an identifier, so the source cannot say it).
+    code = namespace["trampoline"].__code__.replace(
+        co_name=f.__code__.co_name, co_qualname=f.__code__.co_qualname
+    )
     if code.co_argcount != f.__code__.co_argcount or code.co_kwonlyargcount != (
         f.__code__.co_kwonlyargcount
     ):
@@ -243,6 +246,9 @@ def _install_locked() -> None:
         return
     try:
         for name, f in _targets():
+            if any(f is g for g, _ in _installed):
+                # Replacing twice would restore the first trampoline, not the original.
+                raise ValueError(f"{f.__qualname__} is intercepted twice (as {name!r})")
             trampoline = _trampoline(name, f)
             f.__globals__[_DISPATCH] = _dispatch
             _installed.append((f, f.__code__))

@@ -21,16 +21,16 @@ Tiles = tuple[tuple[int, int | float], ...]  # HowToQuantize.tiled_axes, normali
 
 
 def transposition(
-    stored: Recipe, spec: qcore.HowToQuantize, chain: tuple, shape: tuple[int, ...]
+    stored: Recipe, spec: qcore.HowToQuantize, transforms: tuple, shape: tuple[int, ...]
 ) -> tuple[int, ...] | None:
-    """The axes permutation that views ``stored``'s QArray as ``spec`` in layout ``chain``.
+    """The axes permutation that views ``stored``'s QArray as ``spec`` in layout ``transforms``.
 
     None if no transpose does. Both layouts must be pure transposes of the
     parameter (no reshapes), and the scales, tiles and packing of ``stored`` must
     land, permuted, on ``spec``'s.
     """
     ndim = len(shape)
-    p_stored, p_wanted = permutation(stored.transforms, ndim), permutation(chain, ndim)
+    p_stored, p_wanted = permutation(stored.transforms, ndim), permutation(transforms, ndim)
     if p_stored is None or p_wanted is None or len(stored.compute_shape()) != ndim:
         return None
     perm = tuple(p_stored.index(axis) for axis in p_wanted)

@@ -35,7 +35,7 @@ class OpCall:
     """A bound two-operand op.
 
     Attributes:
-        name: The op's name (see :data:`qflax.OP_NAMES`).
+        name: The op's registry name (see :func:`qflax.op_names`).
         operands: ``(lhs, rhs)``.
         contracting: Contracted axes of each operand.
         run: ``run(lhs, rhs)`` computes the op with qcore (QArrays allowed).

@@ -12,7 +12,9 @@ rule validation, calibration and LoRA read this table; adding an op is one
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import threading
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -31,13 +33,20 @@ class OpDef:
 
     Attributes:
         name: What rules' ``op_names`` select (an identifier, unique).
-        targets: Returns the Python functions whose calls are this op (each alias
-            of a function sees interception: its code object is replaced while a
-            quantized call runs). Called when interception is installed.
+        targets: Returns a tuple of the Python functions whose calls are this op
+            (each alias of a function sees interception: its code object is replaced
+            while a quantized call runs). Called and checked by :func:`register`,
+            and again each time interception is installed. A function belongs to
+            one op, and calls inside it are not seen by other ops' rules.
         bind: Turns the call's arguments, bound by name with the target's
             signature, into an :class:`~qflax.OpCall` (two operands, contracted
-            axes, how to run it quantized and for training), a ``TakeCall`` for a
-            lookup, or None to run the call as it is.
+            axes, how to run it quantized and for training) named ``name``, a
+            :class:`~qflax.TakeCall` for a lookup, or None to run the call as it
+            is. It must describe the whole call (anything else the target computes
+            is not run when the op is quantized) and pass the operands as the call
+            received them (a weight is recognised by identity: a transposed or
+            scaled weight is an activation). ``nnx.Variable`` arguments arrive as
+            their values.
         default: Whether rules that do not name their ``op_names`` select it.
         lookup: A table lookup (one operand, a parameter looked up by ids),
             quantized as a weight with one scale per row; else a contraction.
@@ -60,6 +69,52 @@ class OpDef:
         for field in ("targets", "bind"):
             if not callable(getattr(self, field)):
                 raise ValueError(f"{field}={getattr(self, field)!r} is not callable")
+        if self.lookup and (self.lora or self.calibration):
+            raise ValueError(
+                f"op {self.name!r}: lookup=True ops take no lora or calibration capability "
+                "(a lookup has no input to adapt or to gather statistics of); allowed: "
+                "lookup=True with lora=False and calibration=False"
+            )
+
+
+def target_functions(op: OpDef) -> tuple[types.FunctionType, ...]:
+    """The Python functions ``op.targets()`` names (jit wrappers unwrapped), checked.
+
+    Raises:
+        ValueError: Naming the op and the target, for anything interception cannot
+            replace: not a tuple, not a Python function (builtins, NumPy ufuncs,
+            methods), a closure, a function taking ``**kwargs``, one named twice.
+    """
+    got = op.targets()
+    where = f"targets of op {op.name!r}"
+    if not isinstance(got, tuple | list):
+        raise ValueError(f"{where} must return a tuple of functions, got {got!r}")
+    out = []
+    for f in got:
+        g = getattr(f, "__wrapped__", f)  # jnp.matmul / jnp.dot are jit wrappers
+        if not isinstance(g, types.FunctionType):
+            raise ValueError(
+                f"{where} returned {f!r}, which is not a Python function; allowed: functions "
+                "defined with def or lambda (not builtins, NumPy ufuncs or bound methods)"
+            )
+        if g.__code__.co_freevars:
+            raise ValueError(
+                f"{where} returned {g.__qualname__}, a closure (it reads "
+                f"{', '.join(g.__code__.co_freevars)} of an enclosing function); allowed: "
+                "functions without free variables, e.g. defined at module level"
+            )
+        keywords = [
+            p.name for p in inspect.signature(g).parameters.values() if p.kind is p.VAR_KEYWORD
+        ]
+        if keywords:
+            raise ValueError(
+                f"{where} returned {g.__qualname__}, which takes **{keywords[0]}; allowed: "
+                "functions whose parameters are named (positional, *args, keyword-only)"
+            )
+        if g in out:
+            raise ValueError(f"{where} returned {g.__qualname__} named twice; name it once")
+        out.append(g)
+    return tuple(out)
 
 
 _OPS: dict[str, OpDef] = {}
@@ -93,14 +148,22 @@ def register(op: OpDef) -> OpDef:
     """
     if not isinstance(op, OpDef):
         raise ValueError(f"op={op!r} is not allowed; allowed: a qflax.OpDef")
+    functions = target_functions(op)
     with _lock:
+        if op.name in _OPS:
+            raise ValueError(f"an op named {op.name!r} is registered already; choose another name")
+        for other in _OPS.values():
+            for f in set(functions) & set(target_functions(other)):
+                raise ValueError(
+                    f"targets of op {op.name!r} returned {f.__qualname__}, but op "
+                    f"{other.name!r} intercepts it already; allowed: functions no other op "
+                    "names (a function is one op)"
+                )
         if frozen.is_set():
             raise RuntimeError(
                 f"cannot register op {op.name!r} while a quantized call runs; register ops "
                 "before calling a quantized model"
             )
-        if op.name in _OPS:
-            raise ValueError(f"an op named {op.name!r} is registered already; choose another name")
         _OPS[op.name] = op
     return op
 
@@ -139,8 +202,8 @@ def names(
     """Names of the registered ops, optionally only those with the given capabilities.
 
     Example:
-        >>> from qflax._engine import registry
-        >>> registry.names(lora=True)
+        >>> import qflax
+        >>> qflax.op_names(lora=True)
         ('dot_general', 'einsum', 'dot', 'matmul', 'conv_general_dilated')
     """
     want = {"default": default, "calibration": calibration, "lora": lora}

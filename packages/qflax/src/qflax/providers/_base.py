@@ -102,7 +102,7 @@ def weight_recipe(plan: Weight, x: jax.Array) -> Recipe:
     value = plan.source.value
     return Recipe(
         spec=plan.spec,
-        transforms=plan.source.chain,
+        transforms=plan.source.transforms,
         shape=tuple(value.shape),
         dtype=jnp.dtype(value.dtype),
         compute_dtype=jnp.dtype(x.dtype),

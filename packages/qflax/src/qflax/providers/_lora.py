@@ -134,8 +134,8 @@ class LoraRule(QuantizationRule):
         if refused:
             raise ValueError(
                 f"op_names={self.op_names}: LoRA adapters are not available for "
-                f"{', '.join(refused)} (ragged_dot: per-expert weights; take: a lookup); "
-                f"allowed: {registry.names(lora=True)}"
+                f"{', '.join(refused)} (ops registered without lora=True; ragged_dot has "
+                f"per-expert weights, take is a lookup); allowed: {registry.names(lora=True)}"
             )
         if isinstance(self.rank, bool) or not isinstance(self.rank, int | np.integer):
             raise ValueError(f"rank={self.rank!r} must be an int >= 1")
@@ -347,7 +347,7 @@ class LoraProvider(Provider):
                 names,
                 shapes,
                 source.path,
-                bool(source.chain),
+                bool(source.transforms),
                 source.value.ndim,
                 layout,
                 where,
@@ -440,7 +440,7 @@ def _linen_box(source: Source) -> Any:
 def _factor_axes(box: Any, source: Source, layout: _Layout) -> tuple[Any, Any]:
     """Axis names of ``A`` and ``B``: the weight's input / output axis, else None."""
     names = getattr(box, "names", None)
-    if names is None or source.chain or len(names) != len(layout.shape):
+    if names is None or source.transforms or len(names) != len(layout.shape):
         return (None, None), (None, None)
     a_in = names[layout.contracting[0]] if len(layout.contracting) == 1 else None
     b_out = names[layout.free[0]] if len(layout.free) == 1 else None

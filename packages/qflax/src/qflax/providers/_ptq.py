@@ -119,9 +119,9 @@ class PtqProvider(Provider):
         source = plan.source
         if isinstance(source.value, QuantizedParam):
             qp = source.value
-            want = (plan.spec, source.chain, tuple(x.shape))
+            want = (plan.spec, source.transforms, tuple(x.shape))
             have = (qp.recipe.spec, qp.recipe.transforms, qp.recipe.compute_shape())
-            perm = transposition(qp.recipe, plan.spec, source.chain, tuple(x.shape))
+            perm = transposition(qp.recipe, plan.spec, source.transforms, tuple(x.shape))
             if want != have and perm is not None and qp.recipe.rotation == plan.rotation:
                 # The same quantized table in another axis order (a tied embedding's
                 # lookup and its output projection): stored once, viewed transposed.
