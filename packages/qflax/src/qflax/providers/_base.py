@@ -19,7 +19,7 @@ import qcore
 from qflax import stats
 from qflax._engine import dispatch
 from qflax._engine.context import CallContext
-from qflax._engine.dispatch import Activation, LookupSite, OpSite, Plan, Weight
+from qflax._engine.dispatch import Activation, LookupSite, OpSite, Weight
 from qflax._engine.opcall import OpCall
 from qflax.qparam import Recipe
 from qflax.rotation import rotate
@@ -84,16 +84,19 @@ class Provider:
         raise NotImplementedError
 
 
-def rotated(call: OpCall, plans: Sequence[Plan], seed: int, *, keep_weights: bool) -> OpCall:
-    """``call`` with the contracting axis of its operands rotated (see qflax.rotation).
+def site_call(site: OpSite, *, keep_weights: bool) -> OpCall:
+    """The site's call, with its operands' contracting axis rotated if the rule says so.
 
-    With ``keep_weights``, weight operands are left as they are (a provider that
-    stores weights rotated does not rotate them per call).
+    See :mod:`qflax.rotation`. With ``keep_weights``, weight operands are left as
+    they are (a provider that stores weights rotated does not rotate them per call).
     """
+    call = site.call
+    if site.rule.rotation is None:
+        return call
     new = list(call.operands)
-    for i, (x, plan) in enumerate(zip(call.operands, plans, strict=True)):
+    for i, (x, plan) in enumerate(zip(call.operands, site.plans, strict=True)):
         if not (keep_weights and isinstance(plan, Weight)):
-            new[i] = rotate(x, call.contracting[i][0], seed)
+            new[i] = rotate(x, call.contracting[i][0], site.rule.rotation_seed)
     return dataclasses.replace(call, operands=(new[0], new[1]))
 
 

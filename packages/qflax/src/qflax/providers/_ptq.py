@@ -37,7 +37,7 @@ from qflax.providers._base import (
     Provider,
     SiteVars,
     batch_scale,
-    rotated,
+    site_call,
     static_quantize,
     weight_recipe,
 )
@@ -70,10 +70,7 @@ class PtqProvider(Provider):
         plans = site.plans
         if plans == (None, None):
             return site.run_original()
-        call = site.call
-        if site.rule.rotation is not None:
-            call = rotated(call, plans, site.rule.rotation_seed, keep_weights=True)
-        sites = SiteVars(ctx, site)
+        call, sites = site_call(site, keep_weights=True), SiteVars(ctx, site)
         operands: list[Any] = list(call.operands)
         for i, plan in enumerate(plans):
             if isinstance(plan, Weight):

@@ -24,7 +24,7 @@ from qflax.providers._base import (
     Provider,
     SiteVars,
     batch_scale,
-    rotated,
+    site_call,
     static_quantize,
     weight_recipe,
 )
@@ -79,10 +79,7 @@ class QtProvider(Provider):
         plans = site.plans
         if plans == (None, None):
             return site.run_original()
-        call = site.call
-        if site.rule.rotation is not None:
-            call = rotated(call, plans, site.rule.rotation_seed, keep_weights=False)
-        sites = SiteVars(ctx, site)
+        call, sites = site_call(site, keep_weights=False), SiteVars(ctx, site)
         specs: list[qcore.HowToQuantize | None] = [None, None]
         scales: list[tuple[str, jax.Array] | None] = [None, None]
         for i, (x, plan) in enumerate(zip(call.operands, plans, strict=True)):
