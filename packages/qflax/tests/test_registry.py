@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -29,11 +32,17 @@ def toy_op():
     qflax.unregister_op("project")
 
 
-class Linen(nn.Module):
+class Calling(nn.Module):
+    """A Linen layer whose weight ``w`` (shape (8, 5)) goes through ``op(x, w)``."""
+
+    op: Callable = project
+
     @nn.compact
     def __call__(self, x):
-        w = self.param("w", nn.initializers.normal(1.0), (x.shape[-1], 5))
-        return project(x, w)
+        return self.op(x, self.param("w", nn.initializers.normal(1.0), (8, 5)))
+
+
+Linen = Calling
 
 
 class Nnx(nnx.Module):
@@ -182,12 +191,7 @@ def test_lambda_and_star_args_targets_are_intercepted():
     for op, f in zip(ops, (lam, star), strict=True):
         qflax.register_op(op)
         try:
-
-            class M(nn.Module):
-                @nn.compact
-                def __call__(self, x, f=f):
-                    return f(x, self.param("w", nn.initializers.normal(1.0), (8, 5)))
-
+            M = functools.partial(Calling, op=f)
             rules = [qflax.QuantizationRule(op_names=(op.name,), weight_qtype="int8")]
             x = jax.random.normal(jax.random.key(1), (3, 8))
             qmodel = qflax.quantize_model(M(), qflax.PtqProvider(rules))
@@ -217,12 +221,7 @@ def test_binder_errors_name_the_op(bind, error, fragment):
 
     qflax.register_op(qflax.OpDef(name="broken", targets=lambda: (broken,), bind=bind))
     try:
-
-        class M(nn.Module):
-            @nn.compact
-            def __call__(self, x):
-                return broken(x, self.param("w", nn.initializers.normal(1.0), (8, 5)))
-
+        M = functools.partial(Calling, op=broken)
         rules = [qflax.QuantizationRule(op_names=("broken",), weight_qtype="int8")]
         with pytest.raises(error) as err:
             qflax.quantize_model(M(), qflax.PtqProvider(rules)).init(
@@ -248,3 +247,10 @@ def test_an_nnx_variable_passed_to_a_registered_op_is_a_weight(toy_op):
     qp = model.w.get_raw_value()
     assert isinstance(qp, qflax.QuantizedParam)
     _check_quantized(model(x), x, float_w, qp)
+
+
+@pytest.mark.parametrize("op", ["take", "ragged_dot"])
+def test_lora_rules_refuse_ops_without_the_capability(op):
+    # "take" reached the LoRA handler and failed with a bare KeyError('take').
+    with pytest.raises(ValueError, match=f"LoRA adapters are not available for {op} "):
+        qflax.LoraRule(rank=1, op_names=(op,))

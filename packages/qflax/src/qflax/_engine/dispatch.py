@@ -143,6 +143,8 @@ def classify(
             integer param).
     """
     op = registry.get(name)
+    args = tuple(ctx.read(a) for a in args)
+    kwargs = {k: ctx.read(v) for k, v in kwargs.items()}
     if op.lookup and ctx.source(args[0] if args else _first(kwargs)) is None:
         return None  # not a lookup in a param (most indexing)
     found = ctx.calling_module()
@@ -153,8 +155,6 @@ def classify(
     rule = matcher.match(path, name)
     if rule is None:
         return None
-    args = tuple(ctx.read(a) for a in args)
-    kwargs = {k: ctx.read(v) for k, v in kwargs.items()}
     call = _bind(op, original, args, kwargs)
     if call is None:
         return None

@@ -322,16 +322,22 @@ def take(a: dict) -> TakeCall | None:
     several indices, boolean masks, Python ints); a 0-d table.
     """
     if "idx" in a:  # indexing: jax's rewriting_take(arr, idx, ...)
-        return _indexing_as_take(a)
-    table = a["a"]
-    if a["axis"] is None or a["out"] is not None or not _is_array(table):
+        found = _indexing_as_take(a)
+        if found is None:
+            return None
+        table, indices, axis, mode = found
+    else:
+        table, indices, axis, mode = a["a"], a["indices"], a["axis"], a["mode"]
+        if axis is None or a["out"] is not None:
+            return None
+    if not _is_array(table):
         return None
     return TakeCall(
         "take",
         table,
-        a["indices"],
-        int(a["axis"]),
-        a["mode"],
+        indices,
+        int(axis),
+        mode,
         a["fill_value"],
         a["unique_indices"],
         a["indices_are_sorted"],
@@ -342,8 +348,8 @@ _CLAMPING = (None, "clip", "promise_in_bounds")
 _FILLING = ("fill", "drop", "fill_or_drop")
 
 
-def _indexing_as_take(a: dict) -> TakeCall | None:
-    """``rewriting_take``'s arguments (``arr[idx]``) as a :class:`TakeCall`, or None."""
+def _indexing_as_take(a: dict) -> tuple[Any, Any, int, str] | None:
+    """``rewriting_take``'s arguments (``arr[idx]``) as jnp.take's table, ids, axis, mode."""
     idx, table = a["idx"], a["arr"]
     if isinstance(idx, tuple):
         if len(idx) != 1:
@@ -357,16 +363,5 @@ def _indexing_as_take(a: dict) -> TakeCall | None:
         return None
     if mode in _CLAMPING:
         # Indexing wraps negative ids once, then clamps: jnp.take(mode="clip") clamps only.
-        idx, mode = jnp.where(idx < 0, idx + table.shape[0], idx), "clip"
-    else:
-        mode = "fill"  # "drop" is indexing's name for it; negative ids wrap in both
-    return TakeCall(
-        "take",
-        table,
-        idx,
-        0,
-        mode,
-        a["fill_value"],
-        a["unique_indices"],
-        a["indices_are_sorted"],
-    )
+        return table, jnp.where(idx < 0, idx + table.shape[0], idx), 0, "clip"
+    return table, idx, 0, "fill"  # "drop" is indexing's name for it; ids wrap in both
