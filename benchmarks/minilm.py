@@ -167,15 +167,13 @@ def table_rule(table: dict[str, Any]) -> qflax.QuantizationRule:
 
 
 def qflax_recipe(ratio: float) -> Build:
-    """``qflax.recipe.four_bit``: all params (tables included) <= ``ratio`` x float bytes."""
+    """``qflax.presets.four_bit``: all params (tables included) <= ``ratio`` x float bytes."""
 
     def build(params: Any, ids: jax.Array, mask: jax.Array) -> tuple[Apply, Any]:
-        from qflax.recipe import four_bit  # noqa: PLC0415
+        from qflax.presets import four_bit  # noqa: PLC0415
 
         result = four_bit(
-            MiniLM(),
-            params,
-            CALIBRATION,
+            qflax.CalibrationData(MiniLM(), params, CALIBRATION),
             budget_ratio=ratio,
             module_path=f"{EMBEDDINGS}|{ENCODER_DENSE}",
             search_batches=MP_BATCHES,
@@ -188,7 +186,7 @@ def qflax_recipe(ratio: float) -> Build:
     return build
 
 
-# The recipe's per-op report of the last run (written next to the results JSON).
+# The preset's per-op report of the last run (written next to the results JSON).
 RECIPE_REPORT: list[str] = []
 
 
@@ -199,7 +197,9 @@ def qflax_gptq(**kw: Any) -> Build:
         from qflax.gptq import gptq  # noqa: PLC0415
 
         rules = encoder_rules(**INT4_T128)
-        gparams = gptq(MiniLM(), params, rules, CALIBRATION, progress=False, **kw)
+        gparams = gptq(
+            qflax.CalibrationData(MiniLM(), params, CALIBRATION), rules, progress=False, **kw
+        )
         return qflax_serve(gparams, ids, mask, rules)
 
     return build
@@ -216,7 +216,7 @@ def qflax_awq() -> Build:
         from qflax.awq import awq  # noqa: PLC0415
 
         rules = encoder_rules(**INT4_T128)
-        aparams = awq(MiniLM(), params, rules, CALIBRATION, progress=False)
+        aparams = awq(qflax.CalibrationData(MiniLM(), params, CALIBRATION), rules, progress=False)
         return qflax_serve(aparams, ids, mask, rules)
 
     return build
@@ -232,7 +232,8 @@ def qflax_smoothquant(alpha: float, table: dict[str, Any] | None = None) -> Buil
         from qflax.smoothquant import smoothquant  # noqa: PLC0415
 
         rules = encoder_rules(**RULES["w8a8"])
-        sparams = smoothquant(MiniLM(), params, rules, CALIBRATION, alpha=alpha, progress=False)
+        data = qflax.CalibrationData(MiniLM(), params, CALIBRATION)
+        sparams = smoothquant(data, rules, alpha=alpha, progress=False)
         tables = [] if table is None else [table_rule(table)]
         return qflax_serve(sparams, ids, mask, [*tables, *rules])
 
@@ -263,9 +264,7 @@ def qflax_mixed(ratio: float) -> Build:
         total = sum(int(np.asarray(v).nbytes) for v in jax.tree.leaves(params))
         kernels = dense_kernel_bytes(params)
         result = mixed_precision(
-            MiniLM(),
-            params,
-            CALIBRATION[:MP_BATCHES],
+            qflax.CalibrationData(MiniLM(), params, CALIBRATION[:MP_BATCHES]),
             candidates=("int8", "int4", "nf4"),
             budget_bytes=total - kernels + int(ratio * kernels),
             tile_size={"int4": 128, "nf4": 64},

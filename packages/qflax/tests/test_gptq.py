@@ -1,4 +1,4 @@
-"""Calibration collection (qflax.calibration), GPTQ (qflax.gptq) and AWQ (qflax.awq)."""
+"""Calibration collection (qflax.layer_stats), GPTQ (qflax.gptq) and AWQ (qflax.awq)."""
 
 import dataclasses
 
@@ -13,8 +13,8 @@ from flax import nnx
 import qcore
 import qflax
 from qflax.awq import awq
-from qflax.calibration import collect
 from qflax.gptq import gptq, quantize_weight
+from qflax.layer_stats import collect
 from qflax.qparam import stand_in
 
 K, N = 32, 16

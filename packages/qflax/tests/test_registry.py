@@ -117,7 +117,9 @@ def test_capabilities_gate_lora_and_calibration(toy_op):
     x = jnp.ones((2, 8))
     params = Linen().init(jax.random.key(0), x)["params"]
     with pytest.raises(ValueError, match="selects project, which calibration-based PTQ"):
-        qflax.calibration.collect(Linen(), params, _rules(), [x], progress=False)
+        qflax.layer_stats.collect(
+            qflax.CalibrationData(Linen(), params, [x]), _rules(), progress=False
+        )
 
 
 def test_register_refuses_duplicates_and_builtins(toy_op):

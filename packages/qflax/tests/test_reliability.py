@@ -23,12 +23,12 @@ import qflax
 from qcore import testing
 from qflax import QuantizationRule as Rule
 from qflax.awq import awq
-from qflax.calibration import collect
 from qflax.checkpoint import rules_from_json
 from qflax.gptq import gptq
+from qflax.layer_stats import collect
 from qflax.lora import LoraProvider, LoraRule
 from qflax.mixed_precision import mixed_precision
-from qflax.recipe import four_bit
+from qflax.presets import four_bit
 from qflax.report import quantization_report
 from qflax.smoothquant import smoothquant
 

@@ -7,10 +7,11 @@ Rules (:class:`QuantizationRule`) select ops by module path; a provider
 :mod:`qflax.checkpoint` saves and loads quantized params (orbax, safetensors).
 :class:`LoraProvider` adds LoRA adapters (QLoRA on a quantized base);
 :mod:`qflax.gptq`, :mod:`qflax.awq` and :mod:`qflax.smoothquant` turn calibration
-data into better PTQ params (``QuantizationRule(rotation="hadamard")`` rotates
-an op's contraction axis first); :mod:`qflax.report` and
-:mod:`qflax.mixed_precision` measure each op's error and pick a format per op
-under a size budget.
+data (a :class:`CalibrationData`) into better PTQ params
+(``QuantizationRule(rotation="hadamard")`` rotates an op's contraction axis
+first); :mod:`qflax.report` and :mod:`qflax.mixed_precision` measure each op's
+error and pick a format per op under a size budget; :mod:`qflax.presets` holds
+ready-made plans (4 bits).
 See the docs page "Quantize a Flax model".
 """
 
@@ -19,13 +20,17 @@ from qflax import (
     calibration,
     checkpoint,
     gptq,
+    layer_stats,
     lora,
     mixed_precision,
+    presets,
+    recipe,
     report,
     rotation,
     smoothquant,
     stats,
 )
+from qflax._calibration_data import CalibrationData
 from qflax._engine.context import CallContext
 from qflax._engine.dispatch import LookupSite, OpSite
 from qflax._engine.opcall import OpCall, TakeCall
@@ -46,6 +51,7 @@ __version__ = "0.1.0"
 __all__ = [
     "OP_NAMES",
     "ActScale",
+    "CalibrationData",
     "CallContext",
     "LoraParam",
     "LoraProvider",
@@ -68,11 +74,14 @@ __all__ = [
     "calibration",
     "checkpoint",
     "gptq",
+    "layer_stats",
     "lora",
     "mixed_precision",
     "op_names",
+    "presets",
     "quantize_model",
     "quantize_params",
+    "recipe",
     "register_op",
     "report",
     "rotation",

@@ -23,11 +23,11 @@ import numpy as np
 from flax import traverse_util
 
 import qcore
-from qflax._engine import flavor as flavors
+from qflax._calibration_data import CalibrationData
 from qflax._engine.layout import box_leaves
 from qflax._params import is_leaf, plain
 from qflax._progress import track
-from qflax.calibration import LayerStats
+from qflax.layer_stats import LayerStats
 from qflax.qparam import QuantizedParam, check_finite_weight, to_compute_layout
 
 Key = tuple[Any, ...]
@@ -98,8 +98,7 @@ def apply(
 
 
 def plan(
-    model: Any,
-    params: Any,
+    data: CalibrationData,
     stats: Mapping[str, LayerStats],
     fold_into: Mapping[str, str | Sequence[str]] | None,
 ) -> Plan:
@@ -118,7 +117,7 @@ def plan(
             f"fold_into={fold_into!r} must be a mapping {{weight path: param path(s)}}, "
             f"e.g. {{'dense/kernel': 'norm/scale'}}; quantized weights: {list(stats)}"
         )
-    tree = flavors.of(model).float_tree(model, params)
+    tree = data.float_tree()
     flat = traverse_util.flatten_dict(plain(tree), is_leaf=lambda _, x: is_leaf(x))
     keys = {"/".join(str(k) for k in key): key for key in flat}
     floats = [p for p in keys if p not in stats]

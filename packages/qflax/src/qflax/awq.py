@@ -50,64 +50,59 @@ Example:
     >>> model = Block()
     >>> params = model.init(jax.random.key(0), batches[0])["params"]
     >>> rules = [qflax.QuantizationRule(weight_qtype="int4")]
-    >>> q = awq(model, params, rules, batches, progress=False)  # s carried
+    >>> data = qflax.CalibrationData(model, params, batches)
+    >>> q = awq(data, rules, progress=False)  # s carried
     >>> q["dense"]["kernel"], q["dense"]["kernel"].input_scale.shape
     (QuantizedParam(int4, shape=(16, 8), compute shape=(16, 8), packed, input-scaled), (16,))
     >>> qmodel = qflax.quantize_model(model, qflax.PtqProvider(rules))
     >>> y = qmodel.apply({"params": q}, batches[0])
-    >>> folded = awq(model, params, rules, batches, fold_into={"dense/kernel": "g"}, progress=False)
+    >>> folded = awq(data, rules, fold_into={"dense/kernel": "g"}, progress=False)
     >>> folded["dense"]["kernel"], bool(folded["g"][0] != 1.0)  # 1/s is now in g
     (QuantizedParam(int4, shape=(16, 8), compute shape=(16, 8), packed), True)
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from collections.abc import Mapping, Sequence
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
-from flax import nnx
 
 import qcore
 from qflax import _folding as folding
-from qflax.calibration import LayerStats, stats_or_collect
+from qflax._calibration_data import CalibrationData, accepts_legacy
+from qflax.layer_stats import LayerStats, stats_or_collect
 from qflax.rule import QuantizationRule
 
 
+@accepts_legacy()
 def awq(
-    model: nn.Module | nnx.Module,
-    params: Any,
+    data: CalibrationData,
     rules: Sequence[QuantizationRule],
-    calibration_batches: Iterable[Any] | None,
     *,
     fold_into: Mapping[str, str | Sequence[str]] | None = None,
     grid: int = 20,
-    method: str = "__call__",
     stats: dict[str, LayerStats] | None = None,
     progress: bool = True,
 ) -> dict:
     """Quantizes the selected weights with AWQ scales folded into ``fold_into`` params.
 
     Args:
-        model: A Linen module (unbound) or an NNX module (not modified).
-        params: Linen: the float ``params`` collection. NNX: None.
+        data: The model (not modified), its float params and the batches
+            (:class:`~qflax.CalibrationData`); the batches may be None when
+            ``stats`` is given.
         rules: The rules of the PTQ model that will serve the result.
-        calibration_batches: Model inputs (see :func:`qflax.calibration.collect`);
-            may be None when ``stats`` is given.
         fold_into: ``{weight param path: param path(s)}``: the params whose last
             axis (one entry per input channel of the weight) is divided by ``s``.
             They must act linearly and only on this input (a norm's scale and
             bias, the previous Dense's kernel and bias). Weights not named here
             (all of them by default) carry their ``s``.
         grid: Number of ``alpha`` values tried in ``[0, 1)``.
-        method: The model method the batches are inputs of.
-        stats: Statistics from :func:`~qflax.calibration.collect` (with the Hessian).
+        stats: Statistics from :func:`~qflax.layer_stats.collect` (with the Hessian).
         progress: Show progress over batches and layers.
 
     Returns:
-        A new nested dict of params (like :func:`qflax.gptq.gptq`'s): AWQ-quantized
+        A new nested dict of params like :func:`qflax.gptq.gptq`'s, with AWQ-quantized
         weights as :class:`~qflax.QuantizedParam` (with their ``input_scale`` if
         carried), folded params divided by ``s``, everything else unchanged.
         Inputs are never modified.
@@ -119,10 +114,8 @@ def awq(
     """
     if not (isinstance(grid, int) and grid > 0):
         raise ValueError(f"grid={grid!r} must be a positive int")
-    stats = stats_or_collect(
-        stats, model, params, rules, calibration_batches, method=method, progress=progress
-    )
-    folds = folding.plan(model, params, stats, fold_into)
+    stats = stats_or_collect(stats, data, rules, progress=progress)
+    folds = folding.plan(data, stats, fold_into)
     return folding.apply(folds, stats, lambda weights: search_scale(weights, grid), "AWQ", progress)
 
 

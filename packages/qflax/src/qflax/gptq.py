@@ -35,7 +35,7 @@ Example:
     >>> batches = [b @ mix for b in z]  # correlated inputs
     >>> params = model.init(jax.random.key(2), batches[0])["params"]
     >>> rules = [qflax.QuantizationRule(weight_qtype="int4")]
-    >>> q = gptq(model, params, rules, batches, progress=False)
+    >>> q = gptq(qflax.CalibrationData(model, params, batches), rules, progress=False)
     >>> q["kernel"]
     QuantizedParam(int4, shape=(16, 8), compute shape=(16, 8), packed)
     >>> qmodel = qflax.quantize_model(model, qflax.PtqProvider(rules))
@@ -53,7 +53,7 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from functools import partial
 from typing import Any
 
@@ -61,41 +61,38 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx, traverse_util
+from flax import traverse_util
 
 import qcore
-from qflax._engine import flavor as flavors
+from qflax._calibration_data import CalibrationData, accepts_legacy
 from qflax._engine.layout import box_leaves
 from qflax._params import is_leaf, plain
 from qflax._progress import track
-from qflax.calibration import LayerStats, stats_or_collect
+from qflax.layer_stats import LayerStats, stats_or_collect
 from qflax.qparam import QuantizedParam, check_finite_weight, to_compute_layout
 from qflax.rule import QuantizationRule
 
 
+@accepts_legacy()
 def gptq(
-    model: nn.Module | nnx.Module,
-    params: Any,
+    data: CalibrationData,
     rules: Sequence[QuantizationRule],
-    calibration_batches: Iterable[Any] | None,
     *,
     block_size: int = 128,
     damping: float = 0.01,
     act_order: bool = False,
     static_groups: bool | None = None,
-    method: str = "__call__",
     stats: dict[str, LayerStats] | None = None,
     progress: bool = True,
 ) -> dict:
     """Quantizes the weights the rules select with GPTQ; returns ordinary PTQ params.
 
     Args:
-        model: A Linen module (unbound) or an NNX module (not modified).
-        params: Linen: the float ``params`` collection. NNX: None.
+        data: The model (not modified), its float params and the batches
+            (:class:`~qflax.CalibrationData`); the batches may be None when
+            ``stats`` is given.
         rules: The rules of the PTQ model that will serve the result
             (``qflax.quantize_model(model, qflax.PtqProvider(rules))``).
-        calibration_batches: Model inputs (see :func:`qflax.calibration.collect`);
-            may be None when ``stats`` is given.
         block_size: Rows quantized together before their error is propagated to
             the remaining rows (lazy batch updates; only speed depends on it).
         damping: Added to the Hessian's diagonal, relative to its mean.
@@ -103,22 +100,21 @@ def gptq(
         static_groups: Tile scales from the original weight (True) or from the
             error-updated rows when GPTQ reaches each tile (False). None: True with
             ``act_order``, else False.
-        method: The model method the batches are inputs of.
-        stats: Statistics from :func:`~qflax.calibration.collect` (with the
+        stats: Statistics from :func:`~qflax.layer_stats.collect` (with the
             Hessian), to reuse one collection for several settings.
         progress: Show progress over batches and layers.
 
     Returns:
-        A new nested dict of params (Linen: shaped like ``params``, boxes kept;
-        NNX: like ``nnx.to_pure_dict(nnx.state(model, nnx.Param))``, load it with
-        ``nnx.replace_by_pure_dict``): GPTQ-quantized weights as
-        :class:`~qflax.QuantizedParam` objects, every other entry unchanged (the same
-        float arrays). The inputs are never modified, so an interrupted call
+        A new nested dict of params, shaped (Linen) like ``data.params``, boxes
+        kept, or (NNX) like ``nnx.to_pure_dict(nnx.state(model, nnx.Param))``
+        (load it with ``nnx.replace_by_pure_dict``). GPTQ-quantized weights are
+        :class:`~qflax.QuantizedParam` objects, every other entry is unchanged (the
+        same float arrays). The inputs are never modified, so an interrupted call
         (``KeyboardInterrupt``) leaves them intact.
 
     Raises:
         ValueError: Bad arguments, no calibration data, rules the algorithm
-            cannot handle (see :func:`~qflax.calibration.collect`), stochastic
+            cannot handle (see :func:`~qflax.layer_stats.collect`), stochastic
             rounding, stacked (scanned) weights, or a Hessian that is not
             positive definite after damping.
     """
@@ -129,10 +125,8 @@ def gptq(
     ):
         raise ValueError(f"damping={damping!r} is not allowed; allowed: a finite number >= 0")
     _check_groups(act_order, static_groups)
-    stats = stats_or_collect(
-        stats, model, params, rules, calibration_batches, method=method, progress=progress
-    )
-    tree = flavors.of(model).float_tree(model, params)
+    stats = stats_or_collect(stats, data, rules, progress=progress)
+    tree = data.float_tree()
     flat = traverse_util.flatten_dict(plain(tree), is_leaf=lambda _, x: is_leaf(x))
     by_path = {"/".join(str(k) for k in key): key for key in flat}
     out = dict(flat)

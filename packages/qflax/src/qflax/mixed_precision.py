@@ -43,9 +43,7 @@ Example:
     >>> x = jax.random.normal(jax.random.key(1), (4, 16))
     >>> params = MLP().init(jax.random.key(0), x)["params"]
     >>> result = mixed_precision(
-    ...     MLP(),
-    ...     params,
-    ...     [x],
+    ...     qflax.CalibrationData(MLP(), params, [x]),
     ...     candidates=("int8", "int4"),
     ...     budget_ratio=0.3,
     ...     jit=False,
@@ -63,17 +61,16 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, cast
 
-import flax.linen as nn
 import numpy as np
-from flax import nnx
 
 import qcore
+from qflax._calibration_data import CalibrationData, accepts_legacy
 from qflax._engine.registry import BUILTIN_DEFAULT_NAMES as DEFAULT_OP_NAMES
 from qflax._progress import track
-from qflax.report import OpKey, Runner, Site, db_text, text_table
+from qflax.report import OpKey, QuantizedOp, Runner, db_text, text_table
 from qflax.rule import QuantizationRule, TileSize
 
 FLOAT = "float"
@@ -160,10 +157,9 @@ def _tile_for(tile_size: TileSize | Mapping[str, TileSize], qtype: str) -> TileS
     return cast(TileSize, tile_size)
 
 
+@accepts_legacy(between=0)
 def mixed_precision(
-    model: nn.Module | nnx.Module,
-    params: Any,
-    calibration_batches: Iterable[Any],
+    data: CalibrationData,
     *,
     candidates: Sequence[str | qcore.QType | None] = ("int8", "int4", "nf4", None),
     budget_bytes: int | None = None,
@@ -180,10 +176,8 @@ def mixed_precision(
     See the module docstring for how bytes and error are defined and searched.
 
     Args:
-        model: A Linen module (unbound) or an NNX module (not modified).
-        params: Linen: the float ``params`` collection. NNX: None.
-        calibration_batches: Model inputs (a non-empty iterable); a tuple is
-            passed as positional arguments, anything else as the single argument.
+        data: The model (not modified), its float params and the batches (a
+            non-empty iterable) (:class:`~qflax.CalibrationData`).
         candidates: qtype names (or QTypes); ``None`` or ``"float"`` keeps an op
             float. Every op may take every candidate.
         budget_bytes: Maximum total bytes of all params.
@@ -224,11 +218,11 @@ def mixed_precision(
             and value > 0
         ):
             raise ValueError(f"{name}={value!r} is not allowed; allowed: a finite number > 0")
-    runner = Runner(model, params, calibration_batches, jit=jit)
+    runner = Runner(data, jit=jit)
     float_total = runner.float_bytes
     budget = int(budget_bytes) if budget_bytes is not None else int(budget_ratio * float_total)  # type: ignore[operator]
 
-    def rule(site: Site | None, qtype: str) -> QuantizationRule:
+    def rule(site: QuantizedOp | None, qtype: str) -> QuantizationRule:
         fields = {
             "weight_qtype": qtype,
             "tile_size": _tile_for(tile_size, qtype),
@@ -245,7 +239,7 @@ def mixed_precision(
     # measured error of each uniform plan.
     uniform: dict[str | None, tuple[float, int]] = {None: (0.0, float_total)}
     op_bytes: dict[tuple[OpKey, str | None], int] = {}
-    sites: dict[OpKey, Site] = {}
+    sites: dict[OpKey, QuantizedOp] = {}
     quantizing = [n for n in names if n is not None]
     for i, qtype in enumerate(track(quantizing, "mixed precision: uniform", progress)):
         run = runner.run([rule(None, qtype)], record=i == 0)

@@ -33,7 +33,8 @@ Example:
     >>> x = jax.random.normal(jax.random.key(1), (4, 16))
     >>> params = MLP().init(jax.random.key(0), x)["params"]
     >>> rules = [qflax.QuantizationRule(weight_qtype="int4", tile_size=8)]
-    >>> report = quantization_report(MLP(), params, rules, [x], jit=False, progress=False)
+    >>> data = qflax.CalibrationData(MLP(), params, [x])
+    >>> report = quantization_report(data, rules, jit=False, progress=False)
     >>> [
     ...     (r.module_path, r.op_name, r.weight_qtype, r.quantized_bytes, r.float_bytes)
     ...     for r in report.rows
@@ -60,6 +61,8 @@ from flax import nnx, traverse_util
 
 import qcore
 from qflax import _files
+from qflax._calibration_data import CalibrationData, accepts_legacy, check
+from qflax._deprecation import old_name
 from qflax._engine import flavor as flavors
 from qflax._engine.context import CallContext
 from qflax._engine.dispatch import LookupSite, OpSite, Weight
@@ -77,7 +80,7 @@ OpKey = tuple[str, str]  # (module path, op name)
 
 
 @dataclasses.dataclass(frozen=True)
-class Site:
+class QuantizedOp:
     """One quantized op as the discovery run saw it.
 
     Attributes:
@@ -114,7 +117,7 @@ class _Recorder(PtqProvider):
 
     def __init__(self, rules: Sequence[QuantizationRule]) -> None:
         super().__init__(rules)
-        self.sites: dict[OpKey, Site] = {}
+        self.sites: dict[OpKey, QuantizedOp] = {}
 
     def visit_op(self, ctx: CallContext, site: OpSite) -> jax.Array:
         """Records the op (if the rule quantizes an operand), then computes it as PTQ."""
@@ -134,7 +137,7 @@ class _Recorder(PtqProvider):
         weights = tuple(p.source.path for p in plans if isinstance(p, Weight))
         known = self.sites.get(key)
         if known is None:
-            self.sites[key] = Site(site.path, site.op, shapes, weights, site.rule)
+            self.sites[key] = QuantizedOp(site.path, site.op, shapes, weights, site.rule)
         else:
             merged = known.weights + tuple(w for w in weights if w not in known.weights)
             self.sites[key] = dataclasses.replace(known, weights=merged)
@@ -152,7 +155,7 @@ class Run:
 
     noise: float
     quantized: dict[str, QuantizedParam]
-    sites: dict[OpKey, Site]
+    sites: dict[OpKey, QuantizedOp]
 
 
 class Runner:
@@ -164,46 +167,41 @@ class Runner:
     (an NNX model is quantized in a copy that shares its arrays).
 
     Args:
-        model: A Linen module (unbound) or an NNX module.
-        params: Linen: the float ``params`` collection. NNX: None.
-        calibration_batches: Model inputs; a tuple is passed as positional
-            arguments, anything else as the single argument.
+        data: The model, its float params, the batches (a non-empty iterable) and
+            the method they are inputs of (:class:`~qflax.CalibrationData`).
         jit: Compile each run (``jax.jit`` / ``nnx.jit``; one compilation per run
             and batch shape). ``False`` runs eagerly: no compilation, slower per
             batch, usually faster for small models and few batches.
     """
 
-    def __init__(
-        self, model: Any, params: Any, calibration_batches: Iterable[Any], *, jit: bool = True
-    ) -> None:
-        if isinstance(calibration_batches, jax.Array | np.ndarray):
-            raise ValueError(
-                "calibration_batches must be an iterable of batches (e.g. [x] or a list of "
-                f"tuples of inputs), not one array of shape {calibration_batches.shape}"
-            )
-        self.batches = [b if isinstance(b, tuple) else (b,) for b in calibration_batches]
+    @accepts_legacy(lead=1, between=0)
+    def __init__(self, data: CalibrationData, *, jit: bool = True) -> None:
+        data = check(data)
+        self.batches = list(data.inputs())
         if not self.batches:
             raise ValueError(
-                "no calibration data: calibration_batches is empty (pass at least one batch: "
+                f"no calibration data: {data._arg} is empty (pass at least one batch: "
                 "an input array, or a tuple of positional inputs)"
             )
-        self.model, self.jit = model, jit
-        self.flavor = flavors.of(model)
-        tree = self.flavor.float_tree(model, params)
+        self.model, self.method, self.jit = data.model, data.method, jit
+        self.flavor = data.flavor
+        tree = data.float_tree()
         if self.flavor is flavors.LINEN:
             self.params = tree = nn.meta.unbox(tree)
         else:
-            self._graphdef, self._state = nnx.split(model)
+            self._graphdef, self._state = nnx.split(self.model)
         self._float_leaves = _flat_params(tree)
         for path, value in self._float_leaves.items():
             if isinstance(value, QuantizedParam):
                 raise ValueError(f"params[{path!r}] is already quantized; pass float params")
         if self.flavor is flavors.LINEN:
-            float_fn = self._compiled(lambda p, args: model.apply({"params": p}, *args))
+            float_fn = self._compiled(
+                lambda p, args: self.model.apply({"params": p}, *args, method=self.method)
+            )
             self.reference = [_leaves(float_fn(self.params, a)) for a in self.batches]
         else:
-            call = self._compiled(lambda m, args: m(*args))
-            self.reference = [_leaves(call(model, a)) for a in self.batches]
+            call = self._compiled(lambda m, args: getattr(m, self.method)(*args))
+            self.reference = [_leaves(call(self.model, a)) for a in self.batches]
         self.signal = sum(float(np.sum(np.square(y))) for ys in self.reference for y in ys)
 
     def _compiled(self, fn: Any) -> Any:
@@ -227,9 +225,11 @@ class Runner:
         noise = 0.0
         quantized: dict[str, QuantizedParam] = {}
         if self.flavor is flavors.LINEN:
-            qmodel = quantize_model(self.model, provider)
+            qmodel = quantize_model(self.model, provider, methods=(self.method,))
             fn = self._compiled(
-                lambda p, args: qmodel.apply({"params": p}, *args, mutable=["params"])
+                lambda p, args: qmodel.apply(
+                    {"params": p}, *args, method=self.method, mutable=["params"]
+                )
             )
             for i, (args, ref) in enumerate(zip(self.batches, self.reference, strict=True)):
                 y, new = fn(self.params, args)
@@ -242,8 +242,8 @@ class Runner:
                     }
         else:
             copy = nnx.merge(self._graphdef, self._state, copy=True)
-            quantize_model(copy, provider, *self.batches[0])
-            call = self._compiled(lambda m, args: m(*args))
+            quantize_model(copy, provider, *self.batches[0], methods=(self.method,))
+            call = self._compiled(lambda m, args: getattr(m, self.method)(*args))
             for args, ref in zip(self.batches, self.reference, strict=True):
                 noise += _noise(ref, _leaves(call(copy, args)))
             for path, node in nnx.iter_graph(copy):
@@ -538,11 +538,10 @@ def weight_noise(
     return signal, noise
 
 
+@accepts_legacy()
 def quantization_report(
-    model: nn.Module | nnx.Module,
-    params: Any,
+    data: CalibrationData,
     rules: Sequence[QuantizationRule],
-    calibration_batches: Iterable[Any],
     *,
     jit: bool = True,
     progress: bool = True,
@@ -550,12 +549,10 @@ def quantization_report(
     """Measures bytes and error of every op the rules quantize, each op on its own.
 
     Args:
-        model: A Linen module (unbound) or an NNX module (not modified: it is
-            quantized in copies that share its arrays).
-        params: Linen: the float ``params`` collection (boxed or not). NNX: None.
+        data: The model (not modified: an NNX model is quantized in copies that
+            share its arrays), its float params and the batches (a non-empty
+            iterable) (:class:`~qflax.CalibrationData`).
         rules: The PTQ rules, as for :class:`~qflax.PtqProvider`.
-        calibration_batches: Model inputs (a non-empty iterable); a tuple is
-            passed as positional arguments, anything else as the single argument.
         jit: Compile each run (one compilation per op and batch shape); False runs
             eagerly (no compilation: faster for small models and few batches).
         progress: Show progress over ops (tqdm if installed, else stderr).
@@ -565,11 +562,11 @@ def quantization_report(
         and bytes with every op quantized.
 
     Raises:
-        ValueError: No calibration data, params missing (Linen) or given (NNX),
-            already-quantized params, rules that quantize no op, or rules the model
-            cannot satisfy (as :func:`~qflax.quantize_model` raises them).
+        ValueError: No calibration data, already-quantized params, rules that
+            quantize no op, or rules the model cannot satisfy (as
+            :func:`~qflax.quantize_model` raises them).
     """
-    runner = Runner(model, params, calibration_batches, jit=jit)
+    runner = Runner(data, jit=jit)
     rules = tuple(rules)
     full = runner.run(rules, record=True)
     if not full.sites:
@@ -603,3 +600,6 @@ def quantization_report(
         quantized_bytes=runner.total_bytes(full.quantized),
         float_bytes=runner.float_bytes,
     )
+
+
+__getattr__ = old_name(__name__, "Site", "QuantizedOp", QuantizedOp)

@@ -43,67 +43,60 @@ Example:
     >>> model = Block()
     >>> params = model.init(jax.random.key(0), batches[0])["params"]
     >>> rules = [qflax.QuantizationRule(weight_qtype="int8", act_qtype="int8")]
-    >>> q = smoothquant(model, params, rules, batches, progress=False)  # s carried
+    >>> data = qflax.CalibrationData(model, params, batches)
+    >>> q = smoothquant(data, rules, progress=False)  # s carried
     >>> q["dense"]["kernel"]
     QuantizedParam(int8, shape=(16, 8), compute shape=(16, 8), input-scaled)
     >>> bool(q["dense"]["kernel"].input_scale[0] > 2.0)  # outlier channels: s > 1
     True
-    >>> folded = smoothquant(
-    ...     model, params, rules, batches, fold_into={"dense/kernel": "g"}, progress=False
-    ... )
+    >>> folded = smoothquant(data, rules, fold_into={"dense/kernel": "g"}, progress=False)
     >>> bool(folded["g"][0] < 0.5)  # 1/s folded into g
     True
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from collections.abc import Mapping, Sequence
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
-from flax import nnx
 
 from qflax import _folding as folding
-from qflax.calibration import LayerStats, stats_or_collect
+from qflax._calibration_data import CalibrationData, accepts_legacy
+from qflax.layer_stats import LayerStats, stats_or_collect
 from qflax.rule import QuantizationRule
 
 
+@accepts_legacy()
 def smoothquant(
-    model: nn.Module | nnx.Module,
-    params: Any,
+    data: CalibrationData,
     rules: Sequence[QuantizationRule],
-    calibration_batches: Iterable[Any] | None,
     *,
     fold_into: Mapping[str, str | Sequence[str]] | None = None,
     alpha: float = 0.5,
-    method: str = "__call__",
     stats: dict[str, LayerStats] | None = None,
     progress: bool = True,
 ) -> dict:
     """Quantizes the selected weights with SmoothQuant scales folded into ``fold_into``.
 
     Args:
-        model: A Linen module (unbound) or an NNX module (not modified).
-        params: Linen: the float ``params`` collection. NNX: None.
+        data: The model (not modified), its float params and the batches
+            (:class:`~qflax.CalibrationData`); the batches may be None when
+            ``stats`` is given.
         rules: The rules of the PTQ model that will serve the result (typically
             ``weight_qtype="int8", act_qtype="int8"``).
-        calibration_batches: Model inputs (see :func:`qflax.calibration.collect`);
-            may be None when ``stats`` is given.
         fold_into: ``{weight param path: param path(s)}``: the params whose last
             axis (one entry per input channel of the weight) is divided by ``s``.
             They must act linearly and only on this input (a norm's scale and
             bias, the previous Dense's kernel and bias). Weights not named here
             (all of them by default) carry their ``s``.
         alpha: Migration strength in ``[0, 1]``.
-        method: The model method the batches are inputs of.
-        stats: Statistics from :func:`~qflax.calibration.collect` (``abs_max`` is
+        stats: Statistics from :func:`~qflax.layer_stats.collect` (``abs_max`` is
             used; the Hessian is not needed).
         progress: Show progress over batches and layers.
 
     Returns:
-        A new nested dict of params (like :func:`qflax.awq.awq`'s): quantized
+        A new nested dict of params like :func:`qflax.awq.awq`'s, with quantized
         ``s W`` as :class:`~qflax.QuantizedParam` (with their ``input_scale`` if
         carried), folded params divided by ``s``, everything else unchanged.
         Inputs are never modified.
@@ -121,15 +114,12 @@ def smoothquant(
         )
     stats = stats_or_collect(
         stats,
-        model,
-        params,
+        data,
         rules,
-        calibration_batches,
         hessian=False,
-        method=method,
         progress=progress,
     )
-    folds = folding.plan(model, params, stats, fold_into)
+    folds = folding.plan(data, stats, fold_into)
     return folding.apply(
         folds, stats, lambda weights: smoothing_scale(weights, alpha), "SmoothQuant", progress
     )

@@ -50,11 +50,19 @@ class Flavor:
         """A key from ``module``'s RNG stream ``collection``."""
         raise NotImplementedError
 
+    def check_params(self, params: Any) -> None:
+        """Checks that ``params`` is what a model of this flavour needs beside itself.
+
+        Raises:
+            ValueError: Linen without params, or NNX with params.
+        """
+        raise NotImplementedError
+
     def float_tree(self, model: Any, params: Any) -> Any:
         """The float params of a model as a tree (Linen: ``params``; NNX: the model's own).
 
         Raises:
-            ValueError: Linen without params, or NNX with params.
+            ValueError: As :meth:`check_params`.
         """
         raise NotImplementedError
 
@@ -94,9 +102,12 @@ class _Linen(Flavor):
     def make_rng(self, module: Any, collection: str) -> jax.Array:
         return module.make_rng(collection)
 
-    def float_tree(self, model: Any, params: Any) -> Any:
+    def check_params(self, params: Any) -> None:
         if params is None:
             raise ValueError("a Linen model needs its float params: pass params=...")
+
+    def float_tree(self, model: Any, params: Any) -> Any:
+        self.check_params(params)
         return params
 
     def caller(
@@ -135,12 +146,15 @@ class _Nnx(Flavor):
             f"{{{collection!r}: key}}); NNX models are not supported yet"
         )
 
-    def float_tree(self, model: Any, params: Any) -> Any:
+    def check_params(self, params: Any) -> None:
         if params is not None:
             raise ValueError(
                 "an NNX model carries its own params: pass params=None (got "
                 f"{type(params).__name__})"
             )
+
+    def float_tree(self, model: Any, params: Any) -> Any:
+        self.check_params(params)
         return nnx.to_pure_dict(nnx.state(model, nnx.Param))
 
     def caller(

@@ -50,7 +50,7 @@ class OpDef:
         default: Whether rules that do not name their ``op_names`` select it.
         lookup: A table lookup (one operand, a parameter looked up by ids),
             quantized as a weight with one scale per row; else a contraction.
-        calibration: Whether :func:`qflax.calibration.collect` (GPTQ, AWQ,
+        calibration: Whether :func:`qflax.layer_stats.collect` (GPTQ, AWQ,
             SmoothQuant) gathers input statistics for its weight.
         lora: Whether a :class:`~qflax.LoraRule` may adapt it.
     """

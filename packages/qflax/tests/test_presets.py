@@ -1,4 +1,4 @@
-"""The 4-bit recipe (qflax.recipe.four_bit) and mixed precision over embedding tables."""
+"""The 4-bit preset (qflax.presets.four_bit) and mixed precision over embedding tables."""
 
 import flax.linen as nn
 import jax
@@ -10,7 +10,7 @@ import qcore
 import qflax
 from qflax.gptq import gptq
 from qflax.mixed_precision import mixed_precision
-from qflax.recipe import four_bit
+from qflax.presets import four_bit
 
 VOCAB, WIDTH, HIDDEN = 512, 128, 256
 BATCHES = [jax.random.randint(jax.random.key(i), (4, 16), 0, VOCAB) for i in range(2)]
