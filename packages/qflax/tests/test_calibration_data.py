@@ -103,7 +103,7 @@ def test_an_iterator_is_read_once_and_a_second_use_says_so(setup):
     stats = layer_stats.collect(data, RULES, progress=False)
     assert int(stats["hidden/kernel"].count) == 8
     with pytest.raises(
-        ValueError, match=r"iterator that an earlier call already read; pass a list"
+        ValueError, match=r"iterator that an earlier call already read \(also when that call"
     ):
         gptq.gptq(data, RULES, progress=False)
 
@@ -265,3 +265,106 @@ def test_old_names_answer_with_a_warning(module, old, new):
 def test_an_unknown_name_of_a_renamed_module_is_an_attribute_error(module):
     with pytest.raises(AttributeError, match="has no attribute 'WeightUses'"):
         _ = getattr(qflax, module).WeightUses
+
+
+# -- findings of a new-user trial ---------------------------------------------------------
+
+
+def test_a_tuple_of_arrays_is_refused_as_ambiguous(setup):
+    """One batch of two inputs, or two batches? A tuple of arrays ran as two batches."""
+    x = setup[1][0]
+    with pytest.raises(ValueError, match=r"batches is a tuple of 2 arrays.*pass \[\(x, y\)\]"):
+        qflax.CalibrationData(Encoder(), setup[0], (x, x))
+    with (
+        pytest.warns(DeprecationWarning),
+        pytest.raises(ValueError, match="calibration_batches is"),
+    ):
+        gptq.gptq(Encoder(), setup[0], RULES, (x, x), progress=False)
+    data = qflax.CalibrationData(Encoder(), setup[0], ((x,), (x,)))  # tuples of inputs: fine
+    assert data.num_batches == 2
+
+
+def test_stats_collected_with_other_rules_are_refused(setup):
+    params, batches = setup
+    data = qflax.CalibrationData(Encoder(), params, batches)
+    stats = layer_stats.collect(data, RULES, progress=False)
+    int8 = [qflax.QuantizationRule(weight_qtype="int8")]
+    for call in (
+        lambda: gptq.gptq(data, int8, stats=stats, progress=False),
+        lambda: awq.awq(data, int8, stats=stats, progress=False),
+    ):
+        with pytest.raises(ValueError, match=r"stats\['hidden/kernel'\] was collected for hidden"):
+            call()
+    _same(  # the same rules: the statistics are reused
+        gptq.gptq(data, RULES, stats=stats, progress=False), gptq.gptq(data, RULES, progress=False)
+    )
+
+
+def test_linen_params_must_be_a_mapping(setup):
+    with pytest.raises(ValueError, match=r"params=list is not allowed; allowed: the Linen"):
+        qflax.CalibrationData(Encoder(), setup[1], None)  # params forgotten: batches in its place
+
+
+def test_a_model_where_the_data_goes_says_how_to_make_the_data(setup):
+    with (
+        pytest.warns(DeprecationWarning),
+        pytest.raises(
+            ValueError, match=r"gptq: got a model where the data goes; pass qflax.CalibrationData"
+        ),
+    ):
+        gptq.gptq(Encoder(), RULES)
+
+
+def test_the_repr_is_a_summary(setup):
+    params, batches = setup
+    data = qflax.CalibrationData(Encoder(), params, batches, method="encode")
+    assert repr(data) == (
+        "CalibrationData(model=Encoder, params=given, batches=2, method='encode')"
+    )
+    assert "batches=an iterator" in repr(data.with_batches(iter(batches)))
+
+
+class Dropout(nn.Module):
+    """Needs ``deterministic`` as a keyword, as most Flax models with dropout do."""
+
+    @nn.compact
+    def __call__(self, x, *, deterministic):
+        return nn.Dense(8, name="out")(nn.Dropout(0.5, deterministic=deterministic)(x))
+
+
+def test_kwargs_reach_every_call(setup):
+    x = setup[1][0]
+    params = Dropout().init(jax.random.key(0), x, deterministic=True)["params"]
+    data = qflax.CalibrationData(Dropout(), params, [x], kwargs={"deterministic": True})
+    assert "kwargs={'deterministic': True}" in repr(data)
+    stats = layer_stats.collect(data, RULES, progress=False)
+    xf = np.asarray(x, np.float64)  # float64 reference: sum x^T x over the batch's rows
+    np.testing.assert_allclose(stats["out/kernel"].hessian, xf.T @ xf, rtol=1e-5, atol=1e-4)
+    want = np.asarray(Dropout().apply({"params": params}, x, deterministic=True))
+    np.testing.assert_array_equal(report.Runner(data, jit=False).reference[0][0], want)
+    assert report.quantization_report(data, RULES, progress=False).rows[0].module_path == "out"
+    with pytest.raises(ValueError, match=r"kwargs=\['deterministic'\] is not allowed; allowed: a"):
+        qflax.CalibrationData(Dropout(), params, [x], kwargs=["deterministic"])
+
+
+@pytest.mark.parametrize(
+    ("method", "message"),
+    [
+        ("encdoe", r"method='encdoe' is not a method of Encoder.*did you mean 'encode'\?"),
+        (Encoder.encode, r"method=<function Encoder.encode.*allowed: the name \(a str\)"),
+    ],
+)
+def test_a_wrong_method_gets_a_helpful_message(setup, method, message):
+    with pytest.raises(ValueError, match=message):
+        qflax.CalibrationData(Encoder(), setup[0], setup[1], method=method)
+
+
+def test_the_older_form_refuses_options_given_by_position(setup):
+    params, batches = setup
+    with (
+        pytest.warns(DeprecationWarning),
+        pytest.raises(
+            TypeError, match=r"gptq\(\) takes its options as keywords after calibration_batches"
+        ),
+    ):
+        gptq.gptq(Encoder(), params, RULES, batches, 64)

@@ -9,9 +9,10 @@ method=...)``, working with a ``DeprecationWarning``.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import functools
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Sized
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sized
 from typing import Any, TypeVar, cast
 
 import flax.linen as nn
@@ -45,6 +46,8 @@ class CalibrationData:
             second use raises. None: no batches (an algorithm given ``stats=``
             does not need them).
         method: The name of the model method the batches are inputs of.
+        kwargs: Keyword arguments passed on every call besides each batch's
+            positional ones (e.g. ``{"deterministic": True}``).
 
     Raises:
         ValueError: A model that is neither Linen nor NNX; params missing (Linen)
@@ -71,9 +74,10 @@ class CalibrationData:
     """
 
     model: Any
-    params: Any = None
-    batches: Iterable[Any] | None = None
+    params: Any = dataclasses.field(default=None, repr=False)
+    batches: Iterable[Any] | None = dataclasses.field(default=None, repr=False)
     method: str = "__call__"
+    kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     _read: list[bool] = dataclasses.field(default_factory=list, init=False, repr=False)
     # How error messages name the batches: the argument the caller wrote.
     _arg: str = dataclasses.field(default="data.batches", init=False, repr=False)
@@ -81,21 +85,26 @@ class CalibrationData:
     def __post_init__(self) -> None:
         flavor = flavors.of(self.model)
         flavor.check_params(self.params)
-        if not (isinstance(self.method, str) and callable(getattr(self.model, self.method, None))):
+        _check_method(self.model, self.method)
+        if not (isinstance(self.kwargs, Mapping) and all(isinstance(k, str) for k in self.kwargs)):
             raise ValueError(
-                f"method={self.method!r} is not a method of {type(self.model).__name__}; "
-                "allowed: the name of one of its methods, e.g. '__call__'"
+                f"kwargs={self.kwargs!r} is not allowed; allowed: a dict of keyword arguments "
+                "of the method, e.g. {'deterministic': True}"
             )
         _check_batches(self.batches, "batches")
 
-    @property
-    def flavor(self) -> flavors.Flavor:
-        """The model's :class:`~qflax._engine.flavor.Flavor` (Linen or NNX)."""
-        return flavors.of(self.model)
+    def __repr__(self) -> str:
+        n = self.num_batches
+        batches = "None" if self.batches is None else "an iterator" if n is None else f"{n}"
+        return (
+            f"CalibrationData(model={type(self.model).__name__}, params="
+            f"{'None' if self.params is None else 'given'}, batches={batches}, "
+            f"method={self.method!r}" + (f", kwargs={dict(self.kwargs)!r})" if self.kwargs else ")")
+        )
 
     def float_tree(self) -> Any:
-        """The float params as a tree (Linen: ``params``; NNX: the model's own)."""
-        return self.flavor.float_tree(self.model, self.params)
+        """The float params as a tree (Linen: ``params``, boxed or not; NNX: the model's own)."""
+        return flavors.of(self.model).float_tree(self.model, self.params)
 
     @property
     def num_batches(self) -> int | None:
@@ -117,7 +126,8 @@ class CalibrationData:
         if iter(self.batches) is self.batches and self._read:
             raise ValueError(
                 f"no calibration data: {self._arg} is an iterator that an earlier call already "
-                "read; pass a list to use the same batches in several algorithms"
+                "read (also when that call failed); pass a list to use the same batches in "
+                "several algorithms"
             )
         self._read.append(True)
         for b in self.batches:
@@ -125,7 +135,7 @@ class CalibrationData:
 
     def with_batches(self, batches: Iterable[Any] | None) -> CalibrationData:
         """The same model, params and method with other batches."""
-        out = CalibrationData(self.model, self.params, batches, self.method)
+        out = CalibrationData(self.model, self.params, batches, self.method, self.kwargs)
         object.__setattr__(out, "_arg", self._arg)
         return out
 
@@ -137,11 +147,41 @@ def _check_batches(b: Any, name: str) -> None:
             f"{name} must be an iterable of batches (e.g. [x], or a list of tuples of "
             f"positional inputs), not one array of shape {b.shape}"
         )
+    if isinstance(b, tuple) and any(isinstance(x, jax.Array | np.ndarray) for x in b):
+        raise ValueError(
+            f"{name} is a tuple of {len(b)} arrays, which is ambiguous: pass [(x, y)] for one "
+            "batch of several positional inputs, or a list [x1, x2] for several batches"
+        )
     if b is not None and (isinstance(b, str | bytes | dict) or not isinstance(b, Iterable)):
         raise ValueError(
             f"{name}={type(b).__name__} is not allowed; allowed: an iterable of model inputs "
             "(a list, a generator), or None"
         )
+
+
+def _check_method(model: Any, method: Any) -> None:
+    """Raises unless ``method`` names a method of ``model``, suggesting close names."""
+    if isinstance(method, str) and callable(getattr(model, method, None)):
+        return
+    kind = type(model).__name__
+    if not isinstance(method, str):
+        raise ValueError(
+            f"method={method!r} is not allowed; allowed: the name (a str) of a method of "
+            f"{kind}, e.g. '__call__'"
+        )
+    cls = type(model)
+    names = [n for n in dir(cls) if not n.startswith("_") and callable(getattr(cls, n, None))]
+    close = difflib.get_close_matches(method, names, n=3)
+    hint = f"; did you mean {' or '.join(map(repr, close))}?" if close else ", e.g. '__call__'"
+    raise ValueError(
+        f"method={method!r} is not a method of {kind}; allowed: the name of one of its "
+        f"methods{hint}"
+    )
+
+
+def _looks_like_rules(x: Any) -> bool:
+    """Whether ``x`` is a sequence of rules (objects with a ``module_path``)."""
+    return isinstance(x, list | tuple) and bool(x) and hasattr(x[0], "module_path")
 
 
 def check(data: Any, name: str = "data") -> CalibrationData:
@@ -179,15 +219,6 @@ def accepts_legacy(*, lead: int = 0, between: int = 1, batches: str = "calibrati
             first = args[lead] if len(args) > lead else kwargs.get("model")
             if not isinstance(first, nn.Module | nnx.Module):
                 return fn(*args, **kwargs)
-            head, rest = list(args[:lead]), list(args[lead:])
-            model = rest.pop(0) if rest else kwargs.pop("model")
-            params = rest.pop(0) if rest else kwargs.pop("params", None)
-            middle = [rest.pop(0) for _ in range(min(between, len(rest)))]
-            data_batches = rest.pop(0) if rest else kwargs.pop(batches, None)
-            method = kwargs.pop("method", "__call__")
-            _check_batches(data_batches, batches)
-            data = CalibrationData(model, params, data_batches, method)
-            object.__setattr__(data, "_arg", batches)
             name = fn.__qualname__.replace(".__init__", "")
             warnings.warn(
                 f"{fn.__module__}.{name}(model, params, ..., {batches}, method=...) is "
@@ -196,7 +227,26 @@ def accepts_legacy(*, lead: int = 0, between: int = 1, batches: str = "calibrati
                 DeprecationWarning,
                 stacklevel=2,
             )
-            return fn(*head, data, *middle, *rest, **kwargs)
+            head, rest = list(args[:lead]), list(args[lead:])
+            if between and len(rest) == 2 and _looks_like_rules(rest[1]):
+                raise ValueError(
+                    f"{name}: got a model where the data goes; pass "
+                    "qflax.CalibrationData(model, params, batches) as its first argument"
+                )
+            model = rest.pop(0) if rest else kwargs.pop("model")
+            params = rest.pop(0) if rest else kwargs.pop("params", None)
+            middle = [rest.pop(0) for _ in range(min(between, len(rest)))]
+            data_batches = rest.pop(0) if rest else kwargs.pop(batches, None)
+            if rest:
+                raise TypeError(
+                    f"{name}() takes its options as keywords after {batches}; got "
+                    f"{len(rest)} more positional argument(s): {rest!r}"
+                )
+            method = kwargs.pop("method", "__call__")
+            _check_batches(data_batches, batches)
+            data = CalibrationData(model, params, data_batches, method)
+            object.__setattr__(data, "_arg", batches)
+            return fn(*head, data, *middle, **kwargs)
 
         return cast(_F, call)
 

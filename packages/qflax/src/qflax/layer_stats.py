@@ -56,6 +56,7 @@ import jax.numpy as jnp
 
 from qflax._calibration_data import CalibrationData, accepts_legacy, check
 from qflax._engine import dispatch, interception, registry
+from qflax._engine import flavor as flavors
 from qflax._engine.context import CallContext, Mode
 from qflax._engine.dispatch import LookupSite, OpSite, Weight
 from qflax._engine.opcall import OpCall
@@ -77,12 +78,14 @@ class WeightUse:
         recipe: The recipe :class:`~qflax.PtqProvider` gives it.
         axis: Its contracting axis in the compute layout (the recipe's layout).
         ops: ``module path: op name`` of every op that uses it.
+        rule: The rule its first op matched (None in statistics made without one).
     """
 
     path: str
     recipe: Recipe
     axis: int
     ops: tuple[str, ...]
+    rule: QuantizationRule | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,9 +156,9 @@ def collect(
     """
     data = check(data)
     matcher = RuleMatcher(rules)
-    flavor = data.flavor
+    flavor = flavors.of(data.model)
     _check_float_params(data.float_tree())
-    variables, call = flavor.caller(data.model, data.params, data.method)
+    variables, call = flavor.caller(data.model, data.params, data.method, data.kwargs)
 
     sites: dict[str, WeightUse] = {}
 
@@ -175,7 +178,10 @@ def collect(
         _check_finite(acc, sites, n)
         n += 1
     if n == 0:
-        raise ValueError(f"no calibration data: {data._arg} is empty (pass at least one batch)")
+        raise ValueError(
+            f"no calibration data: {data._arg} is empty (pass at least one batch: an input "
+            "array, or a tuple of positional inputs)"
+        )
     if not acc:
         raise ValueError(
             "the rules select no weight: no op with a model parameter operand matched a rule "
@@ -264,7 +270,7 @@ class _Collector:
         op = f"{path}: {name}"
         known = self.sites.get(source.path)
         if known is None:
-            self.sites[source.path] = WeightUse(source.path, recipe, axis, (op,))
+            self.sites[source.path] = WeightUse(source.path, recipe, axis, (op,), site.rule)
         elif (known.recipe, known.axis) != (recipe, axis):
             raise ValueError(
                 f"param {source.path!r} is used by two ops in different layouts or specs "
@@ -296,7 +302,9 @@ def _contracting_axis(call: OpCall, i: int, what: str) -> int:
             raise ValueError(
                 f"{what}: {side} is contracted over {len(call.contracting[j])} axes "
                 f"{call.contracting[j]}; calibration-based PTQ handles ops with exactly one "
-                "contracting axis"
+                "contracting axis (e.g. attention's output projection has two: heads and "
+                "head_dim); exclude it with a rule without weight_qtype placed before this "
+                "one, or narrow the module_path"
             )
     # A weight axis that is neither contracted nor an output channel of its own is a
     # batch axis shared with the activation (e.g. "bhd,hdk->bhk"): each slice would
@@ -347,6 +355,7 @@ def stats_or_collect(
     """
     data = check(data)
     if stats is not None:
+        _check_stats_rules(stats, rules)
         return stats
     if data.batches is None:
         raise ValueError(
@@ -354,3 +363,23 @@ def stats_or_collect(
             "(or stats=qflax.layer_stats.collect(...))"
         )
     return collect(data, rules, hessian=hessian, progress=progress)
+
+
+def _check_stats_rules(stats: dict[str, LayerStats], rules: Sequence[QuantizationRule]) -> None:
+    """Raises if ``rules`` would give an op of ``stats`` another rule than it was collected with.
+
+    The statistics carry their recipes, so an algorithm given both would follow
+    the statistics' rules, not ``rules``.
+    """
+    matcher = RuleMatcher(rules)
+    for path, layer in stats.items():
+        use = layer.site
+        for op in use.ops if use.rule is not None else ():
+            module, name = op.rsplit(": ", 1)
+            rule = matcher.match(module, name)
+            if rule != use.rule:
+                raise ValueError(
+                    f"stats[{path!r}] was collected for {op} with the rule {use.rule!r}, but "
+                    f"rules give that op {rule!r}; collect the stats with the same rules "
+                    "(qflax.layer_stats.collect(data, rules))"
+                )

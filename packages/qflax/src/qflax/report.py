@@ -183,8 +183,8 @@ class Runner:
                 f"no calibration data: {data._arg} is empty (pass at least one batch: "
                 "an input array, or a tuple of positional inputs)"
             )
-        self.model, self.method, self.jit = data.model, data.method, jit
-        self.flavor = data.flavor
+        self.model, self.method, self.kwargs, self.jit = data.model, data.method, data.kwargs, jit
+        self.flavor = flavors.of(data.model)
         tree = data.float_tree()
         if self.flavor is flavors.LINEN:
             self.params = tree = nn.meta.unbox(tree)
@@ -196,11 +196,13 @@ class Runner:
                 raise ValueError(f"params[{path!r}] is already quantized; pass float params")
         if self.flavor is flavors.LINEN:
             float_fn = self._compiled(
-                lambda p, args: self.model.apply({"params": p}, *args, method=self.method)
+                lambda p, args: self.model.apply(
+                    {"params": p}, *args, method=self.method, **self.kwargs
+                )
             )
             self.reference = [_leaves(float_fn(self.params, a)) for a in self.batches]
         else:
-            call = self._compiled(lambda m, args: getattr(m, self.method)(*args))
+            call = self._compiled(lambda m, args: getattr(m, self.method)(*args, **self.kwargs))
             self.reference = [_leaves(call(self.model, a)) for a in self.batches]
         self.signal = sum(float(np.sum(np.square(y))) for ys in self.reference for y in ys)
 
@@ -228,7 +230,7 @@ class Runner:
             qmodel = quantize_model(self.model, provider, methods=(self.method,))
             fn = self._compiled(
                 lambda p, args: qmodel.apply(
-                    {"params": p}, *args, method=self.method, mutable=["params"]
+                    {"params": p}, *args, method=self.method, mutable=["params"], **self.kwargs
                 )
             )
             for i, (args, ref) in enumerate(zip(self.batches, self.reference, strict=True)):
@@ -242,8 +244,8 @@ class Runner:
                     }
         else:
             copy = nnx.merge(self._graphdef, self._state, copy=True)
-            quantize_model(copy, provider, *self.batches[0], methods=(self.method,))
-            call = self._compiled(lambda m, args: getattr(m, self.method)(*args))
+            quantize_model(copy, provider, *self.batches[0], methods=(self.method,), **self.kwargs)
+            call = self._compiled(lambda m, args: getattr(m, self.method)(*args, **self.kwargs))
             for args, ref in zip(self.batches, self.reference, strict=True):
                 noise += _noise(ref, _leaves(call(copy, args)))
             for path, node in nnx.iter_graph(copy):

@@ -63,9 +63,9 @@ from qlitert.interpreter import Interpreter, Rep
 # The tensor types a converted model may use, by quantization type.
 # (Beyond INTEGER_TYPES, which every annotated model may use.)
 TENSOR_TYPES = {
-    "i16": ("INT16",),  # 16x8: int16 activations, int8 weights, int64 biases
-    "i4": ("INT4",),
-    "f32": ("FLOAT32",),
+    "int16": ("INT16",),  # 16x8: int16 activations, int8 weights, int64 biases
+    "int4": ("INT4",),
+    None: ("FLOAT32",),  # float
 }
 
 
@@ -91,9 +91,9 @@ def _interpret(
         if jnp.issubdtype(jnp.result_type(x), jnp.integer) and not (int8_io and _is_codes(x)):
             args.append((x, Rep("int")))  # indices: not quantized
         elif int8_io:  # codes in: dequantized with the input site's parameters
-            dtype = "i16" if jnp.result_type(x) == jnp.int16 else "i8"
-            scale, zp = interp.cal.params(interp.key(None, f"input{i}"), dtype)
-            args.append((qdq.dequantize(x, scale, zp, dtype=dtype), Rep("q", scale, zp, dtype)))
+            qtype = "int16" if jnp.result_type(x) == jnp.int16 else "int8"
+            scale, zp = interp.cal.params(interp.key(None, f"input{i}"), qtype)
+            args.append((qdq.dequantize(x, scale, zp, qtype=qtype), Rep("q", scale, zp, qtype)))
         else:
             args.append(interp.site(x, None, f"input{i}"))
     outs = interp.run(closed.jaxpr, list(closed.consts), args)
@@ -102,7 +102,7 @@ def _interpret(
         if q.kind not in ("q", "int") or q.inherit:
             x, q = interp.materialize(x, q, None, f"output{i}")
         if int8_io and q.kind == "q":
-            x = qdq.quantize(x, q.scale, q.zero_point, dtype=q.dtype)
+            x = qdq.quantize(x, q.scale, q.zero_point, qtype=q.qtype)
         elif int8_io and q.kind == "float":
             raise ValueError(
                 f"int8_io=True: output {i} is float under the rules; integer outputs need "

@@ -20,6 +20,9 @@ Example:
     >>> scale, zero_point = cal.params("s")
     >>> round(float(scale[0]) * 255, 6), int(zero_point[0])
     (4.0, 0)
+    >>> scale, zero_point = cal.params("s", qtype="int16")  # symmetric
+    >>> round(float(scale[0]) * 32767, 6), int(zero_point[0])
+    (2.0, 0)
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import qcore
 from qlitert import qdq
 from qlitert.rules import Rule
 
@@ -89,19 +93,29 @@ class Calibration:
         self.ranges[site] = [old[0] + (lo - old[0]) * rate, old[1] + (hi - old[1]) * rate]
         self.counts[site] = n + 1
 
-    def params(self, site: str, dtype: str = "i8") -> tuple[np.ndarray, np.ndarray]:
+    def params(
+        self, site: str, qtype: str | qcore.QType | None = None, *, dtype: str | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
         """TFLite ``(scale, zero_point)`` of a calibrated site (see :mod:`qlitert.qdq`).
+
+        Args:
+            site: The site's name (a rendered :class:`qlitert.SiteKey`).
+            qtype: ``"int8"`` (the default), ``"int16"`` or ``"int4"``, or a
+                :class:`qcore.QType` of those (:func:`qlitert.qdq.qtype_name`).
+            dtype: Deprecated spelling of ``qtype`` (``"i8"``, ``"i16"``, ``"i4"``).
 
         Raises:
             KeyError: If no calibration batch reached the site.
+            ValueError: For another type, or both ``qtype`` and ``dtype``.
         """
+        qtype = qdq.qtype_name(qtype, dtype=dtype)
         if site not in self.ranges:
             raise KeyError(
                 f"site {site!r} was never calibrated: run calibrate() on the same function "
                 f"(calibrated sites: {sorted(self.ranges)[:5]}...)"
             )
         lo, hi = self.ranges[site]
-        return qdq.activation_params(lo, hi, dtype)
+        return qdq.activation_params(lo, hi, qtype)
 
     def state(self) -> dict[str, jax.Array]:
         """The ranges as a pytree for training: ``site -> [lo, hi, count]`` (float32)."""

@@ -48,13 +48,14 @@ class Rep:
 
     ``origin`` is the equation that produced a pending value (its rule decides
     the type of the value's site); ``inherit`` is the window size of an average
-    pooling, whose output keeps its input's parameters.
+    pooling, whose output keeps its input's parameters. ``qtype`` is the qcore
+    name of a quantized value's LiteRT type.
     """
 
     kind: str
     scale: Any = None
     zero_point: Any = None
-    dtype: str = "i8"
+    qtype: str = "int8"
     inherit: int = 0  # the pooling window's size
     origin: Any = None
 
@@ -104,7 +105,7 @@ class Interpreter:
         self.new_state: dict[str, Any] = {}
         self.counter = 0
         self.used_rules: set[int] = set()
-        self.seen: set[str] = set()  # the types used: "i8", "i16", "i4", "f32"
+        self.seen: set[str | None] = set()  # the types used: "int8", "int16", "int4", None
         self.outer: list[str] = []  # name stacks of the calls being interpreted
 
     # -- where and how -------------------------------------------------------
@@ -135,13 +136,13 @@ class Interpreter:
     def fq(self, x: Any, q: Rep, *, pool_count: int | None = None) -> Any:
         """Fake quantization with ``q``'s (per-tensor) parameters: annotation or QAT."""
         if self.train:
-            qmin, qmax = qdq.RANGES[q.dtype]
+            qmin, qmax = qdq.RANGES[q.qtype]
             scale, zp = (_scalar(v) for v in (q.scale, q.zero_point))
             y = qdq.quantize_dequantize(
                 jax.lax.stop_gradient(x), scale, zp, qmin, qmax, pool_count=pool_count
             )
             return _ste(x, jax.lax.stop_gradient(y))
-        return qdq.fake_quant(x, q.scale, q.zero_point, dtype=q.dtype, pool_count=pool_count)
+        return qdq.fake_quant(x, q.scale, q.zero_point, qtype=q.qtype, pool_count=pool_count)
 
     def key(self, eqn: Any | None, label: str) -> str:
         """The next site's name: its :class:`~qlitert.scopes.SiteKey`, rendered."""
@@ -154,13 +155,13 @@ class Interpreter:
     ) -> tuple[Any, Rep]:
         """A quantization site on ``x`` (float when the rule's ``act_qtype`` is None)."""
         key = self.key(eqn, label)
-        dtype = (types or self.types(eqn)).act
-        self.seen.add(dtype or "f32")
-        if dtype is None:
+        qtype = (types or self.types(eqn)).act
+        self.seen.add(qtype)
+        if qtype is None:
             return x, Rep("float")
         if self.observing:
             self.cal.observe(key, np.asarray(x))
-            return x, Rep("q", dtype=dtype)
+            return x, Rep("q", qtype=qtype)
         if self.train and self.state is not None:
             if key not in self.state:
                 self.cal.params(key)  # raises the "never calibrated" error
@@ -168,11 +169,11 @@ class Interpreter:
             if self.update_ranges:
                 entry = update_range(entry, x, self.cal.momentum)
             self.new_state[key] = entry
-            scale, zp = jax.lax.stop_gradient(qdq.range_params(entry[0], entry[1], dtype))
-            q = Rep("q", scale, zp, dtype)
+            scale, zp = jax.lax.stop_gradient(qdq.range_params(entry[0], entry[1], qtype))
+            q = Rep("q", scale, zp, qtype)
         else:
-            scale, zp = self.cal.params(key, dtype)
-            q = Rep("q", scale, zp, dtype)
+            scale, zp = self.cal.params(key, qtype)
+            q = Rep("q", scale, zp, qtype)
         return self.fq(x, q), q
 
     def materialize(
@@ -192,12 +193,13 @@ class Interpreter:
         if eqn is None or float_op or q.kind != "q":
             return x, q
         want = self.types(eqn).act
-        if want is not None and want != q.dtype:
+        if want is not None and want != q.qtype:
+            codes = qdq.CODES  # TFLite's names of the tensor types
             raise UnsupportedOpError(
-                f"{eqn.primitive.name} in module {self.describe(eqn)} computes in {want} but "
-                f"its input is {q.dtype}: litert-converter cannot requantize between int8 "
-                "and int16 tensors; give connected modules one activation type, or leave "
-                "an op between them float (a rule without act_qtype)"
+                f"{eqn.primitive.name} in module {self.describe(eqn)} computes in {codes[want]} "
+                f"but its input is {codes[q.qtype]}: litert-converter cannot requantize "
+                "between int8 and int16 tensors; give connected modules one activation type, "
+                "or leave an op between them float (a rule without act_qtype)"
             )
         return x, q
 
@@ -215,17 +217,17 @@ class Interpreter:
             return x, q
         return self.site(x, eqn, label if q.kind == "float" else f"{label}.const")
 
-    def weight(self, w: Any, axis: int | None, dtype: str | None, eqn: Any) -> Any:
+    def weight(self, w: Any, axis: int | None, qtype: str | None, eqn: Any) -> Any:
         """A matmul/convolution weight of ``eqn``: symmetric narrow range, per output channel.
 
         Raises:
             ValueError: For a concrete weight holding NaN or inf (naming the module).
         """
-        self.seen.add(dtype or "f32")
-        if self.observing or dtype is None:
+        self.seen.add(qtype)
+        if self.observing or qtype is None:
             return w
         if self.train:
-            return _ste_weight(w, axis, qdq.RANGES[dtype][1])
+            return _ste_weight(w, axis, qdq.RANGES[qtype][1])
         w = np.asarray(w, np.float32)
         bad = int(w.size - np.count_nonzero(np.isfinite(w)))
         if bad:
@@ -236,14 +238,14 @@ class Interpreter:
             )
         if axis is None:
             absmax = max(float(np.max(np.abs(w))), 1e-12)
-            scale = np.array([absmax / qdq.RANGES[dtype][1]], np.float32)
-            return qdq.fake_quant(jnp.asarray(w), scale, narrow_range=True, dtype=dtype)
+            scale = np.array([absmax / qdq.RANGES[qtype][1]], np.float32)
+            return qdq.fake_quant(jnp.asarray(w), scale, narrow_range=True, qtype=qtype)
         return qdq.fake_quant(
             jnp.asarray(w),
-            qdq.weight_scales(w, axis, dtype),
+            qdq.weight_scales(w, axis, qtype),
             narrow_range=True,
             axis=axis,
-            dtype=dtype,
+            qtype=qtype,
         )
 
     # -- the jaxpr -----------------------------------------------------------
@@ -303,10 +305,10 @@ class Interpreter:
         self.key(block[-1], kind)  # a site (numbered as the others), with fixed parameters
         # TFLite's int8 SOFTMAX has a fixed output scale 1/256 and zero point -128;
         # its int16 one 1/32768 and 0.
-        if types.act == "i16":
-            fixed = Rep("q", np.array([1 / 32768], np.float32), np.array([0], np.int64), "i16")
+        if types.act == "int16":
+            fixed = Rep("q", np.array([1 / 32768], np.float32), np.array([0], np.int64), "int16")
         else:
-            fixed = Rep("q", np.array([1 / 256], np.float32), np.array([-128], np.int64), "i8")
+            fixed = Rep("q", np.array([1 / 256], np.float32), np.array([-128], np.int64), "int8")
         return (y if self.observing else self.fq(y, fixed)), fixed
 
     def realize(self, entry: tuple[Any, Rep]) -> tuple[Any, Rep]:
@@ -440,7 +442,7 @@ class Interpreter:
     def float_op(self, eqn: Any, ins: list[tuple[Any, Rep]]) -> list[tuple[Any, Rep]]:
         """``eqn`` computed in float: quantized inputs are dequantized, output float."""
         name = eqn.primitive.name
-        self.seen.add("f32")
+        self.seen.add(None)
         xs = [self.materialize(x, q, eqn, name, float_op=True)[0] for x, q in ins]
         return [(o, Rep("float")) for o in _bind(eqn, xs)]
 

@@ -3,8 +3,8 @@
 :func:`fake_quant` returns ``x`` quantized and dequantized with fixed (numpy)
 parameters, as a ``jax.lax.composite`` named ``quant.fake_quant``: JAX runs its
 decomposition, and litert-converter (strict QDQ mode) reads the attributes —
-``scale`` (f32, 1-D), ``zero_point`` (i64, 1-D), ``dtype`` (``"i8"``, ``"i16"``,
-``"i4"``), ``narrow_range`` and, for per-channel scales,
+``scale`` (f32, 1-D), ``zero_point`` (i64, 1-D), ``dtype`` (TFLite's ``"i8"``,
+``"i16"``, ``"i4"``), ``narrow_range`` and, for per-channel scales,
 ``quantization_dimension`` — and makes the tensor a quantized one.
 :func:`quantize` / :func:`dequantize` (``quant.quantize`` / ``quant.dequantize``)
 at a function's boundary give a model with integer inputs and outputs.
@@ -22,6 +22,10 @@ TFLite's: which parameters each tensor kind gets, the order of rounding and zero
 point, average pooling's integer rounding, and the composites the converter
 reads. The scales stay computed here (:func:`range_params`).
 
+Types are named as in qcore: ``qtype="int8"`` (the default), ``"int16"`` or
+``"int4"``, or a :class:`qcore.QType` of those. The former ``dtype="i8"`` /
+``"i16"`` / ``"i4"`` (TFLite's codes) still work, with a ``DeprecationWarning``.
+
 Example:
     >>> import numpy as np, jax.numpy as jnp
     >>> from qlitert import qdq
@@ -30,10 +34,14 @@ Example:
     (0.01568627..., -64)
     >>> qdq.fake_quant(jnp.array([0.0, 0.5, 10.0]), scale, zp).tolist()
     [0.0, 0.50196..., 3.0]
+    >>> scale, zp = qdq.activation_params(-1.0, 3.0, qtype="int16")  # symmetric
+    >>> float(scale[0]) * 32767, int(zp[0])
+    (3.0..., 0)
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import jax
@@ -42,16 +50,76 @@ import numpy as np
 
 from qcore import numerics, qtypes
 
-# LiteRT's quantized types and the qcore types with their codes.
-QTYPES = {"i8": qtypes.get("int8"), "i16": qtypes.get("int16"), "i4": qtypes.get("int4")}
+# LiteRT's quantized types: qcore's name -> TFLite's code (the composites' ``dtype``
+# attribute, which the converter reads, and qlitert's former, deprecated spelling).
+CODES = {"int8": "i8", "int16": "i16", "int4": "i4"}
+QTYPES = {name: qtypes.get(name) for name in CODES}
 RANGES = {name: (int(q.qmin), int(q.qmax)) for name, q in QTYPES.items()}
-STORAGE = {"i8": jnp.int8, "i16": jnp.int16, "i4": jnp.int4}
+STORAGE = {"int8": jnp.int8, "int16": jnp.int16, "int4": jnp.int4}
+_QTypeArg = str | qtypes.QType | None
 
 
-def _check_dtype(dtype: str) -> tuple[int, int]:
-    if dtype not in RANGES:
-        raise ValueError(f"dtype={dtype!r} is not a LiteRT quantized type; allowed: {list(RANGES)}")
-    return RANGES[dtype]
+def qtype_name(
+    qtype: _QTypeArg = None, *, dtype: Any = None, arg: str = "qtype", stacklevel: int = 2
+) -> str:
+    """The qcore name of a LiteRT type: ``"int8"``, ``"int16"`` or ``"int4"``.
+
+    How every qlitert function reads its ``qtype`` argument. TFLite's codes
+    (``"i8"``, ``"i16"``, ``"i4"``) and the keyword ``dtype=``, qlitert's former
+    spelling, still work, with a ``DeprecationWarning`` naming the new spelling.
+
+    Args:
+        qtype: A name, a :class:`qcore.QType` of one, or None for ``"int8"``.
+        dtype: qlitert's former keyword for ``qtype`` (deprecated).
+        arg: The argument's name, for messages.
+        stacklevel: Where deprecations warn: 1 at the caller of this function, 2
+            (the default) at its caller's caller (where a function taking
+            ``qtype`` was called).
+
+    Raises:
+        ValueError: For another type (naming ``arg``, the value and the allowed
+            names) or both ``qtype`` and ``dtype``.
+
+    Example:
+        >>> import qcore
+        >>> from qlitert import qdq
+        >>> qdq.qtype_name("int16"), qdq.qtype_name(qcore.qtypes.get("int4")), qdq.qtype_name()
+        ('int16', 'int4', 'int8')
+    """
+    if dtype is not None and qtype is not None:
+        raise ValueError(
+            f"dtype={dtype!r} and qtype={qtype!r} were both given; pass qtype= only "
+            "(dtype= is its deprecated spelling)"
+        )
+    if dtype is not None:
+        name, _ = _name(dtype, "dtype")
+        message = f"dtype={dtype!r} is deprecated; use qtype={name!r}"
+    elif qtype is None:
+        return "int8"
+    else:
+        name, code = _name(qtype, arg)
+        if not code:
+            return name
+        message = f"{arg}={qtype!r} is deprecated; use {arg}={name!r}"
+    warnings.warn(message, DeprecationWarning, stacklevel=stacklevel + 1)
+    return name
+
+
+def _name(value: Any, arg: str) -> tuple[str, bool]:
+    """The qcore name of ``value`` and whether it was a (deprecated) TFLite code."""
+    old = {code: name for name, code in CODES.items()}
+    if isinstance(value, str) and value in old:
+        return old[value], True
+    try:
+        name = qtypes.get(value).name
+    except ValueError:
+        name = value
+    if not (isinstance(name, str) and name in CODES):
+        raise ValueError(
+            f"{arg}={name!r} is not a LiteRT quantized type; allowed: {list(CODES)} "
+            f"or a qcore.QType of those (deprecated: TFLite's codes {list(old)})"
+        )
+    return name, False
 
 
 def round_half_away(v: jax.Array) -> jax.Array:
@@ -62,23 +130,27 @@ def round_half_away(v: jax.Array) -> jax.Array:
     return numerics.round_values(v, "away_from_zero")
 
 
-def activation_params(lo: Any, hi: Any, dtype: str = "i8") -> tuple[np.ndarray, np.ndarray]:
+def activation_params(
+    lo: Any, hi: Any, qtype: _QTypeArg = None, *, dtype: str | None = None
+) -> tuple[np.ndarray, np.ndarray]:
     """TFLite's ``(scale, zero_point)`` for activations in the range ``[lo, hi]``.
 
     int8 (and int4) activations are asymmetric: the range is widened to contain 0,
     and the zero point is rounded to an integer code so that 0.0 is exactly
     representable (TFLite's nudging). int16 activations are symmetric with zero
-    point 0 (TFLite's 16x8 kernels require it). Returns 1-element float32 / int64
-    arrays.
+    point 0 (TFLite's 16x8 kernels require it). ``qtype``: see :func:`qtype_name`
+    (``dtype``: deprecated). Returns 1-element float32 / int64 arrays.
     """
     lo, hi = float(np.min(lo)), float(np.max(hi))
     if not (np.isfinite(lo) and np.isfinite(hi)):
         raise ValueError(f"lo={lo}, hi={hi}: the range is not finite; allowed: finite bounds")
-    scale, zero_point = range_params(lo, hi, dtype, np)
+    scale, zero_point = range_params(lo, hi, qtype_name(qtype, dtype=dtype), np)
     return np.array([scale], np.float32), np.array([zero_point], np.int64)
 
 
-def range_params(lo: Any, hi: Any, dtype: str, xp: Any = jnp) -> tuple[Any, Any]:
+def range_params(
+    lo: Any, hi: Any, qtype: _QTypeArg = None, xp: Any = jnp, *, dtype: str | None = None
+) -> tuple[Any, Any]:
     """:func:`activation_params` as scalars, with numpy (``xp=np``) or traced (``jnp``).
 
     QAT computes the parameters from ranges that change during training. A NaN
@@ -88,10 +160,11 @@ def range_params(lo: Any, hi: Any, dtype: str, xp: Any = jnp) -> tuple[Any, Any]
     float32 (``xp=np`` here in float64) and can differ by a unit in the last place
     of the scale, which moves tie zero points (``[-2, 2]`` gets -1, not 0).
     """
-    qmin, qmax = _check_dtype(dtype)
+    name = qtype_name(qtype, dtype=dtype)
+    qmin, qmax = RANGES[name]
     lo, hi = xp.minimum(lo, 0.0), xp.maximum(hi, 0.0)
     finite = xp.isfinite(hi - lo)  # a NaN or inf range gives a NaN scale (the NaN policy)
-    if dtype == "i16":
+    if name == "int16":
         absmax = xp.maximum(-lo, hi)
         scale = xp.where(absmax > 0, absmax / qmax, 1.0)
         return xp.where(finite, scale, np.nan), xp.zeros_like(absmax)
@@ -99,14 +172,17 @@ def range_params(lo: Any, hi: Any, dtype: str, xp: Any = jnp) -> tuple[Any, Any]
     return scale, xp.clip(xp.round(qmin - lo / scale), qmin, qmax)
 
 
-def weight_scales(w: Any, axis: int, dtype: str = "i8") -> np.ndarray:
+def weight_scales(
+    w: Any, axis: int, qtype: _QTypeArg = None, *, dtype: str | None = None
+) -> np.ndarray:
     """Symmetric narrow-range scales, one per index of ``axis`` (``absmax / qmax``).
 
     A channel holding NaN or inf gets a NaN scale (qlitert's NaN policy). In
     numpy: :func:`qcore.numerics.scale_from_range` rounds some scales differently
-    by a unit in the last place (see :func:`range_params`).
+    by a unit in the last place (see :func:`range_params`). ``qtype``: see
+    :func:`qtype_name` (``dtype``: deprecated).
     """
-    _, qmax = _check_dtype(dtype)
+    _, qmax = RANGES[qtype_name(qtype, dtype=dtype)]
     w = np.asarray(w, np.float32)
     reduce = tuple(a for a in range(w.ndim) if a != axis % w.ndim)
     absmax = np.max(np.abs(w), axis=reduce)
@@ -195,9 +271,10 @@ def fake_quant(
     *,
     narrow_range: bool = False,
     axis: int | None = None,
-    dtype: str = "i8",
+    qtype: _QTypeArg = None,
     pool_count: int | None = None,
     composite: bool = True,
+    dtype: str | None = None,
 ) -> jax.Array:
     """``x`` quantized and dequantized, annotated as ``quant.fake_quant``.
 
@@ -211,18 +288,21 @@ def fake_quant(
         zero_point: Integer zero point(s) like ``scale``; None for 0.
         narrow_range: Skip the most negative code (symmetric weights).
         axis: The quantized dimension of per-channel scales.
-        dtype: ``"i8"``, ``"i16"`` or ``"i4"``.
+        qtype: ``"int8"`` (the default), ``"int16"`` or ``"int4"``, or a
+            :class:`qcore.QType` of those (:func:`qtype_name`).
         pool_count: ``x`` is the average of this many values already quantized
             with the same parameters (``AVERAGE_POOL_2D``, which keeps its input's
             scale): round as that kernel does. Only JAX's numerics change; the
             annotation is the same.
         composite: False returns the same numerics without the annotation
             (differentiable by ``jax.grad``, which composites are not).
+        dtype: Deprecated spelling of ``qtype`` (TFLite's ``"i8"``, ``"i16"``, ``"i4"``).
     """
-    qmin, qmax = _check_dtype(dtype)
+    name = qtype_name(qtype, dtype=dtype)
+    qmin, qmax = RANGES[name]
     qmin += int(narrow_range)
     attrs = _params(scale, zero_point, axis, x.ndim)
-    attrs |= {"dtype": dtype, "narrow_range": bool(narrow_range)}
+    attrs |= {"dtype": CODES[name], "narrow_range": bool(narrow_range)}
 
     def decomposition(x: jax.Array, **a: Any) -> jax.Array:
         s = _broadcast(a["scale"], x, axis)
@@ -234,14 +314,23 @@ def fake_quant(
     return jax.lax.composite(decomposition, name="quant.fake_quant")(x, **attrs)
 
 
-def quantize(x: jax.Array, scale: Any, zero_point: Any = None, *, dtype: str = "i8") -> jax.Array:
+def quantize(
+    x: jax.Array,
+    scale: Any,
+    zero_point: Any = None,
+    *,
+    qtype: _QTypeArg = None,
+    dtype: str | None = None,
+) -> jax.Array:
     """Float → integer codes, annotated as ``quant.quantize`` (a model's int input).
 
     Codes cannot hold NaN: the codes of an ``x`` with NaN or inf are meaningless
     (:class:`qlitert.LiteRTModel` refuses such inputs for integer outputs).
+    ``qtype``: see :func:`qtype_name` (``dtype``: deprecated).
     """
-    qmin, qmax = _check_dtype(dtype)
-    attrs = _params(scale, zero_point, None, x.ndim) | {"dtype": dtype, "narrow_range": False}
+    name = qtype_name(qtype, dtype=dtype)
+    qmin, qmax = RANGES[name]
+    attrs = _params(scale, zero_point, None, x.ndim) | {"dtype": CODES[name], "narrow_range": False}
     if attrs["scale"].size != 1:
         raise ValueError("quantize() takes one scale (model inputs are quantized per tensor)")
 
@@ -250,15 +339,25 @@ def quantize(x: jax.Array, scale: Any, zero_point: Any = None, *, dtype: str = "
     def decomposition(x: jax.Array, **a: Any) -> jax.Array:
         s, z = float(a["scale"][0]), float(a["zero_point"][0])
         q = numerics.saturate(round_half_away(x.astype(jnp.float32) / s) + z, qmin, qmax)
-        return q.astype(STORAGE[dtype])
+        return q.astype(STORAGE[name])
 
     return jax.lax.composite(decomposition, name="quant.quantize")(x, **attrs)
 
 
-def dequantize(q: jax.Array, scale: Any, zero_point: Any = None, *, dtype: str = "i8") -> jax.Array:
-    """Integer codes → float, annotated as ``quant.dequantize`` (a model's int output)."""
-    _check_dtype(dtype)
-    attrs = _params(scale, zero_point, None, q.ndim) | {"dtype": dtype, "narrow_range": False}
+def dequantize(
+    q: jax.Array,
+    scale: Any,
+    zero_point: Any = None,
+    *,
+    qtype: _QTypeArg = None,
+    dtype: str | None = None,
+) -> jax.Array:
+    """Integer codes → float, annotated as ``quant.dequantize`` (a model's int output).
+
+    ``qtype``: see :func:`qtype_name` (``dtype``: deprecated).
+    """
+    code = CODES[qtype_name(qtype, dtype=dtype)]
+    attrs = _params(scale, zero_point, None, q.ndim) | {"dtype": code, "narrow_range": False}
     if attrs["scale"].size != 1:
         raise ValueError("dequantize() takes one scale (model outputs are quantized per tensor)")
 

@@ -28,7 +28,7 @@ Example:
     ...     [rules.Rule(module_path="head", act_qtype="int16"), rules.Rule(weight_qtype="int4")]
     ... )
     >>> rules.lookup(r, "head"), rules.lookup(r, "blocks/0/mlp")
-    ((0, OpTypes(act='i16', weight='i8')), (1, OpTypes(act='i8', weight='i4')))
+    ((0, OpTypes(act='int16', weight='int8')), (1, OpTypes(act='int8', weight='int4')))
 """
 
 from __future__ import annotations
@@ -40,9 +40,11 @@ from typing import Any
 
 import qcore
 import qcore.rules
+from qlitert import qdq
 
-ACT_TYPES = {"int8": "i8", "int16": "i16"}
-WEIGHT_TYPES = {"int8": "i8", "int4": "i4"}
+# The LiteRT types (qcore names, of qdq.CODES) activations and weights can have.
+ACT_TYPES = ("int8", "int16")
+WEIGHT_TYPES = ("int8", "int4")
 _OWN = ("module_path", "act_qtype", "weight_qtype")
 # Fields of other rule types that change nothing in a LiteRT model: its activation
 # scales are always static, and a rotation seed does nothing without a rotation.
@@ -95,8 +97,8 @@ class Rule:
         object.__setattr__(self, "weight_qtype", weight)
 
 
-def _type_name(field: str, value: Any, allowed: dict[str, str], what: str) -> str | None:
-    """The qtype name of ``value`` (None stays None) if LiteRT has it."""
+def _type_name(field: str, value: Any, allowed: tuple[str, ...], what: str) -> str | None:
+    """The qtype name of ``value`` (None stays None) if LiteRT has it for ``what``."""
     if value is None:
         return None
     try:
@@ -112,13 +114,35 @@ def _type_name(field: str, value: Any, allowed: dict[str, str], what: str) -> st
 
 @dataclasses.dataclass(frozen=True)
 class OpTypes:
-    """LiteRT types (``"i8"``, ``"i16"``, ``"i4"``, or None for float) of an op."""
+    """LiteRT types of an op's output and weight: qcore names, or None for float.
+
+    Attributes:
+        act: ``"int8"``, ``"int16"`` or ``"int4"`` (a :class:`qcore.QType` is stored
+            as its name; TFLite's codes ``"i8"``... are deprecated), or None.
+        weight: The same for the op's matmul / convolution weight.
+
+    Raises:
+        ValueError: For another type, naming the field, the value and the allowed names.
+
+    Example:
+        >>> from qlitert import rules
+        >>> rules.OpTypes("int16", "int8")
+        OpTypes(act='int16', weight='int8')
+    """
 
     act: str | None
     weight: str | None
 
+    def __post_init__(self) -> None:
+        for field in ("act", "weight"):
+            value = getattr(self, field)
+            if value is not None:
+                # Warns where OpTypes(...) was called, past this and __init__.
+                name = qdq.qtype_name(value, arg=field, stacklevel=3)
+                object.__setattr__(self, field, name)
 
-INT8 = OpTypes("i8", "i8")
+
+INT8 = OpTypes("int8", "int8")
 FLOAT = OpTypes(None, None)
 
 
@@ -216,8 +240,8 @@ def lookup(rules: tuple[Rule, ...], path: str) -> tuple[int | None, OpTypes]:
     i = qcore.rules.first_match(rules, path)
     if i is None:
         return None, FLOAT
-    act, weight = rules[i].act_qtype, rules[i].weight_qtype
-    return i, OpTypes(
-        None if act is None else ACT_TYPES[qcore.qtypes.get(act).name],
-        None if weight is None else WEIGHT_TYPES[qcore.qtypes.get(weight).name],
+    act, weight = (
+        None if t is None else qcore.qtypes.get(t).name
+        for t in (rules[i].act_qtype, rules[i].weight_qtype)
     )
+    return i, OpTypes(act, weight)

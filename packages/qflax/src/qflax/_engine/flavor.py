@@ -10,7 +10,7 @@ only ``isinstance`` test on Linen or NNX modules outside this module.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import flax.linen as nn
@@ -67,9 +67,9 @@ class Flavor:
         raise NotImplementedError
 
     def caller(
-        self, model: Any, params: Any, method: str
+        self, model: Any, params: Any, method: str, kwargs: Mapping[str, Any]
     ) -> tuple[Any, Callable[[Any, tuple], Any]]:
-        """``(variables, call)``: ``call(variables, args)`` runs ``model.method(*args)``.
+        """``(variables, call)``: ``call(variables, args)`` runs ``model.method(*args, **kwargs)``.
 
         ``variables`` is a pytree (a Linen variables dict, an NNX state) that
         ``jax.jit`` can take as an argument. Check ``params`` with
@@ -105,16 +105,21 @@ class _Linen(Flavor):
     def check_params(self, params: Any) -> None:
         if params is None:
             raise ValueError("a Linen model needs its float params: pass params=...")
+        if not isinstance(params, Mapping):
+            raise ValueError(
+                f"params={type(params).__name__} is not allowed; allowed: the Linen model's "
+                "float params collection, a dict like variables['params']"
+            )
 
     def float_tree(self, model: Any, params: Any) -> Any:
         self.check_params(params)
         return params
 
     def caller(
-        self, model: Any, params: Any, method: str
+        self, model: Any, params: Any, method: str, kwargs: Mapping[str, Any]
     ) -> tuple[Any, Callable[[Any, tuple], Any]]:
         def call(variables: Any, args: tuple) -> Any:
-            return model.apply(variables, *args, method=method)
+            return model.apply(variables, *args, method=method, **kwargs)
 
         return {"params": self.float_tree(model, params)}, call
 
@@ -158,14 +163,14 @@ class _Nnx(Flavor):
         return nnx.to_pure_dict(nnx.state(model, nnx.Param))
 
     def caller(
-        self, model: Any, params: Any, method: str
+        self, model: Any, params: Any, method: str, kwargs: Mapping[str, Any]
     ) -> tuple[Any, Callable[[Any, tuple], Any]]:
         del params  # checked by float_tree
         module_path.label_nnx(model)
         graphdef, state = nnx.split(model)
 
         def call(variables: Any, args: tuple) -> Any:
-            return getattr(nnx.merge(graphdef, variables), method)(*args)
+            return getattr(nnx.merge(graphdef, variables), method)(*args, **kwargs)
 
         return state, call
 
