@@ -169,3 +169,14 @@ def test_matcher_takes_any_iterable_and_keeps_the_rules():
     m = rules.RuleMatcher(iter(rs))
     assert m.rules == list(rs)
     assert m.match("b") is rs[1]
+
+
+def test_a_matcher_pickles_with_its_record_of_used_rules():
+    import pickle
+
+    m = rules.RuleMatcher([Rule("a"), Rule("b")])
+    m.match("a")
+    again = pickle.loads(pickle.dumps(m))
+    assert again.unused_rules() == [Rule("b")]
+    assert again.match("b") == Rule("b") and again.unused_rules() == []
+    assert m.unused_rules() == [Rule("b")]  # the original is unchanged

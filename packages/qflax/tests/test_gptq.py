@@ -170,7 +170,7 @@ def test_block_size_does_not_change_the_result():
     w = jax.random.normal(jax.random.key(0), (K, N))
     x = correlated(jax.random.key(1), batches=1)[0]
     h = x.T @ x / x.shape[0]
-    spec = qflax.QuantizationRule(weight_qtype="int4").weight_spec(2, (0,))
+    spec = qflax.QuantizationRule(weight_qtype="int4").weight_spec((K, N), (0,))
     assert spec is not None
     a = quantize_weight(w, h, spec, block_size=K)
     b = quantize_weight(w, h, spec, block_size=5)
@@ -201,7 +201,7 @@ def test_gptq_weight_matches_a_float64_reference():
 def test_dynamic_groups_with_zero_points():
     w = jax.random.normal(jax.random.key(0), (K, N))
     x = correlated(jax.random.key(1), batches=1)[0]
-    spec = qflax.QuantizationRule(weight_qtype="uint4", tile_size=8).weight_spec(2, (0,))
+    spec = qflax.QuantizationRule(weight_qtype="uint4", tile_size=8).weight_spec((K, N), (0,))
     assert spec is not None
     spec = dataclasses.replace(spec, symmetric=False)
     q = quantize_weight(w, x.T @ x / x.shape[0], spec)
@@ -221,7 +221,7 @@ def test_dynamic_groups_match_a_float64_reference():
     w = np.asarray(jax.random.normal(jax.random.key(0), (k, n)), np.float64)
     x = np.asarray(correlated(jax.random.key(1), batches=1, k=k)[0], np.float64)
     h = x.T @ x / x.shape[0]
-    spec = qflax.QuantizationRule(weight_qtype="int4", tile_size=tile).weight_spec(2, (0,))
+    spec = qflax.QuantizationRule(weight_qtype="int4", tile_size=tile).weight_spec((k, n), (0,))
     assert spec is not None
     got = quantize_weight(jnp.asarray(w, jnp.float32), h, spec, block_size=3)  # -> 4
     hd = h + 0.01 * np.mean(np.diag(h)) * np.eye(k)

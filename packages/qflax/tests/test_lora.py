@@ -562,3 +562,103 @@ print("ok")
 
 def test_nnx_factors_follow_the_base_weights_named_sharding():
     assert testing.run_on_cpu_devices(NNX_SHARDED, 4).strip() == "ok"
+
+
+# -- shardings and per-expert adapters (Qwix 0.1.8 gives these shapes and specs too) ----
+
+LORA2 = LoraRule(rank=2, b_initializer=RANDOM_B)
+
+
+class ShardedNnx(nnx.Module):
+    """A Linear, an einsum with two output axes and a stack of 3 experts (batch axis 0)."""
+
+    def __init__(self, rngs):
+        init = nnx.initializers.lecun_normal()
+        part = nnx.with_partitioning
+        self.lin = nnx.Linear(16, 8, kernel_init=part(init, ("x", "tp")), rngs=rngs)
+        self.ein = nnx.Einsum(
+            "bd,dhk->bhk", (8, 4, 2), kernel_init=part(init, (None, "tp", None)), rngs=rngs
+        )
+        experts = jax.random.normal(rngs.params(), (3, 8, 6))
+        self.experts = nnx.Param(experts, out_sharding=("ep", None, "tp"))
+
+    def __call__(self, x):
+        h = self.ein(self.lin(x)).reshape(x.shape[0], 8)
+        per_expert = jnp.broadcast_to(h, (3, *h.shape))  # (experts, batch, d)
+        return jax.lax.dot_general(per_expert, self.experts[...], (((2,), (1,)), ((0,), (0,))))
+
+
+def test_nnx_factors_carry_sharding_metadata_and_keep_output_and_expert_axes():
+    P = jax.sharding.PartitionSpec
+    mesh = jax.make_mesh((1, 1, 1), ("x", "tp", "ep"), axis_types=(jax.sharding.AxisType.Auto,) * 3)
+    x = jax.random.normal(jax.random.key(1), (2, 16))
+    with jax.set_mesh(mesh):
+        model = qflax.quantize_model(ShardedNnx(nnx.Rngs(0)), LoraProvider([LORA2]), x)
+        want = {  # name: (shape, spec)
+            "lin/dot_general0_lora_a": ((16, 2), P("x", None)),
+            "lin/dot_general0_lora_b": ((2, 8), P(None, "tp")),
+            "ein/einsum0_lora_a": ((8, 2), P(None, None)),
+            "ein/einsum0_lora_b": ((2, 4, 2), P(None, "tp", None)),  # was flat (2, 8), replicated
+            "dot_general0_lora_a": ((3, 8, 2), P("ep", None, None)),  # one adapter per expert
+            "dot_general0_lora_b": ((3, 2, 6), P("ep", None, "tp")),
+        }
+        state = nnx.state(model, LoraParam)
+        got = {
+            "/".join(map(str, k)): (v.get_value().shape, v.get_value().sharding.spec)
+            for k, v in nnx.to_flat_state(state)
+        }
+        assert got == want
+        # The metadata says it too, so re-sharding (get_partition_spec) keeps the axes.
+        specs = {
+            "/".join(map(str, k)): v.get_value()
+            for k, v in nnx.to_flat_state(nnx.get_partition_spec(state))
+        }
+        assert specs == {k: s for k, (_, s) in want.items()}
+        # Qwix's filter (flax's nnx.LoRAParam) selects the same variables.
+        assert len(nnx.to_flat_state(nnx.state(model, nnx.LoRAParam))) == len(want)
+        y = nnx.jit(lambda m, x: m(x))(model, x)
+    # Each expert's output is its base matmul plus its own low-rank path (float64).
+    lin, ein = model.lin, model.ein
+    xf = f64(x)
+    h1 = xf @ f64(lin.kernel[...]) + f64(lin.bias[...])
+    h1 += (xf @ f64(lin.dot_general0_lora_a[...])) @ f64(lin.dot_general0_lora_b[...])
+    w = f64(ein.kernel[...])
+    h2 = np.einsum("bd,dhk->bhk", h1, w)
+    lo = h1 @ f64(ein.einsum0_lora_a[...])
+    h2 += np.einsum("br,rhk->bhk", lo, f64(ein.einsum0_lora_b[...]))
+    h2 = h2.reshape(2, 8)
+    a, b = f64(model.dot_general0_lora_a[...]), f64(model.dot_general0_lora_b[...])
+    for e in range(3):
+        ref = h2 @ f64(model.experts[...][e]) + (h2 @ a[e]) @ b[e]
+        np.testing.assert_allclose(np.asarray(y[e]), ref, rtol=2e-4, atol=2e-4)
+
+
+def test_linen_einsum_experts_get_one_adapter_each_and_boxed_output_axes():
+    init = nn.initializers.normal(1.0)
+
+    class Moe(nn.Module):
+        @nn.compact
+        def __call__(self, x):  # x: (experts, tokens, d)
+            w = self.param("w", nn.with_partitioning(init, ("ep", "d", "tp", None)), (3, 8, 2, 3))
+            y = jnp.einsum("etd,edhk->ethk", x, w)
+            out = self.param("out", nn.with_partitioning(init, ("tp", None, "d")), (2, 3, 5))
+            return jnp.einsum("ethk,hkf->etf", y, out)  # two contracted axes
+
+    x = jax.random.normal(jax.random.key(1), (3, 4, 8))
+    qmodel, variables = linen(LORA2, Moe(), x)
+    specs = nn.get_partition_spec(variables)["params"]
+    P = jax.sharding.PartitionSpec
+    assert specs["einsum0_lora_a"] == P("ep", "d", None)
+    assert specs["einsum0_lora_b"] == P("ep", None, "tp", None)
+    assert specs["einsum1_lora_a"] == P("tp", None)  # (h * k, rank): the first axis's name
+    assert specs["einsum1_lora_b"] == P(None, "d")
+    p = nn.unbox(variables["params"])
+    a, b, w = f64(p["einsum0_lora_a"]), f64(p["einsum0_lora_b"]), f64(p["w"])
+    assert a.shape == (3, 8, 2) and b.shape == (3, 2, 2, 3)
+    y = np.einsum("etd,edhk->ethk", f64(x), w)
+    y += np.einsum("etr,erhk->ethk", np.einsum("etd,edr->etr", f64(x), a), b)
+    a1, b1 = f64(p["einsum1_lora_a"]), f64(p["einsum1_lora_b"])
+    assert a1.shape == (6, 2) and b1.shape == (2, 5)
+    ref = np.einsum("ethk,hkf->etf", y, f64(p["out"]))
+    ref += (y.reshape(3, 4, 6) @ a1) @ b1
+    np.testing.assert_allclose(jax.jit(qmodel.apply)(variables, x), ref, rtol=1e-5, atol=1e-5)

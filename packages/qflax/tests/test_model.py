@@ -108,7 +108,7 @@ def test_eight_threads_quantizing_different_models_match_the_sequential_results(
             np.testing.assert_array_equal(a, b)
 
 
-def test_methods_other_than_the_quantized_ones_run_in_float():
+def test_methods_other_than_the_quantized_ones_are_refused_at_apply():
     class Net(nn.Module):
         def setup(self):
             self.dense = nn.Dense(4)
@@ -122,5 +122,14 @@ def test_methods_other_than_the_quantized_ones_run_in_float():
     x = jnp.ones((2, 8))
     qmodel = qflax.quantize_model(Net(), qflax.PtqProvider([Rule(act_qtype="int8")]))
     variables = qmodel.init(jax.random.key(0), x)
+    for method in ("features", Net.features, qmodel.features):
+        with pytest.raises(ValueError, match="method='features' of Net does not run quantized"):
+            qmodel.apply(variables, x, method=method)
+    both = qflax.quantize_model(
+        Net(), qflax.PtqProvider([Rule(act_qtype="int8")]), methods=["__call__", "features"]
+    )
     float_out = Net().apply(variables, x, method="features")
-    np.testing.assert_array_equal(qmodel.apply(variables, x, method="features"), float_out)
+    for method in ("features", Net.features):
+        out = both.apply(variables, x, method=method)
+        np.testing.assert_array_equal(out, 2 * both.apply(variables, x))
+        assert not np.array_equal(out, float_out)

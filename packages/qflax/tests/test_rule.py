@@ -67,15 +67,19 @@ def test_unused_rule_report_catches_a_typo():
 
 def test_weight_and_activation_specs():
     rule = QuantizationRule(weight_qtype="int4", act_qtype="int8", tile_size=32)
-    w = rule.weight_spec(ndim=2, contracting_axes=(0,))
+    w = rule.weight_spec(shape=(128, 64), contracting_axes=(0,))
     assert w is not None
     assert (w.channelwise_axes, w.tiled_axes, w.pack, w.pack_axis) == ((1,), ((0, 32),), True, 0)
     assert w.scale_shape((128, 64)) == (4, 64)
-    conv = rule.weight_spec(ndim=4, contracting_axes=(0, 1, 2))  # HWIO kernel
-    assert conv is not None and conv.channelwise_axes == (3,)
-    frac = QuantizationRule(weight_qtype="int8", tile_size=0.25).weight_spec(2, (0,))
+    # HWIO kernel: tiles along the innermost contracted axis (cin), one scale per tap
+    # (this tiled every contracted axis, and a tile of 32 failed on kh=3).
+    conv = rule.weight_spec(shape=(3, 3, 64, 16), contracting_axes=(0, 1, 2))
+    assert conv is not None and (conv.channelwise_axes, conv.tiled_axes) == ((0, 1, 3), ((2, 32),))
+    frac = QuantizationRule(weight_qtype="int8", tile_size=0.25).weight_spec((128, 64), (0,))
     assert frac is not None and frac.scale_shape((128, 64)) == (4, 64)
-    explicit = QuantizationRule(weight_qtype="int8", tile_size={1: 16}).weight_spec(3, (1,))
+    explicit = QuantizationRule(weight_qtype="int8", tile_size={1: 16}).weight_spec(
+        (4, 32, 8), (1,)
+    )
     assert explicit is not None and explicit.tiled_axes == ((1, 16),)
     # Default: one scale per row (per token of a (batch, seq, features) input).
     a = rule.act_spec(ndim=3, contracting_axes=(2,))
@@ -90,15 +94,17 @@ def test_weight_and_activation_specs():
         with pytest.raises(ValueError, match=r"act_batch_axes=.* must be None .* or a sequence"):
             QuantizationRule(act_qtype="int8", act_batch_axes=bad)
     assert QuantizationRule(weight_qtype="int8").act_spec(3) is None
-    assert QuantizationRule(act_qtype="int8").weight_spec(2, (0,)) is None
-    int8 = QuantizationRule(weight_qtype="int8").weight_spec(2, (0,))
+    assert QuantizationRule(act_qtype="int8").weight_spec((128, 64), (0,)) is None
+    int8 = QuantizationRule(weight_qtype="int8").weight_spec((128, 64), (0,))
     assert int8 is not None and not int8.pack  # only sub-byte weights are packed
 
 
-def test_a_tile_that_does_not_divide_fails_when_the_spec_meets_a_shape():
-    w = QuantizationRule(weight_qtype="int8", tile_size=48).weight_spec(2, (0,))
-    with pytest.raises(ValueError, match="tile 48 of axis 0 must divide its size 128"):
-        w.scale_shape((128, 64))
+def test_a_tile_that_does_not_divide_a_longer_axis_fails():
+    rule = QuantizationRule(weight_qtype="int8", tile_size=48)
+    with pytest.raises(ValueError, match="tile_size=48: contracted axis 0 .* has size 128"):
+        rule.weight_spec((128, 64), (0,))
+    short = rule.weight_spec((32, 64), (0,))  # an axis no longer than the tile: one block
+    assert short is not None and short.scale_shape((32, 64)) == (1, 64)
 
 
 @pytest.mark.parametrize(

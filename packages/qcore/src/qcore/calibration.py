@@ -17,6 +17,7 @@ Strings are parsed only at the edges by :func:`parse`::
     "minmax"          MinMax()             [min(x, 0), max(x, 0)]
     "rms,7"           Rms(k=7)             ±7 · sqrt(mean(x²))
     "fixed,-6,6"      Fixed(-6, 6)         a constant range
+    "fixed,6"         Fixed(-6, 6)         the same (Qwix's short form)
     "percentile,99.9" Percentile(99.9)     99.9th percentile of |x| (symmetric)
                                            or the 0.1th/99.9th of x (asymmetric)
     "mse"             Mse()                the clipping ratio of the absmax (or
@@ -250,7 +251,7 @@ _SYNTAX = {
     "absmax": "'absmax' or 'absmax,<clip>' (e.g. 'absmax,0.9')",
     "minmax": "'minmax'",
     "rms": "'rms,<k>' (e.g. 'rms,3')",
-    "fixed": "'fixed,<lo>,<hi>' (e.g. 'fixed,-6,6')",
+    "fixed": "'fixed,<lo>,<hi>' or 'fixed,<bound>' (e.g. 'fixed,-6,6' or 'fixed,6')",
     "percentile": "'percentile,<q>' (e.g. 'percentile,99.9')",
     "mse": "'mse', 'mse,<steps>' or 'mse,<steps>,<min_ratio>' (e.g. 'mse,64,0.1')",
 }
@@ -288,7 +289,7 @@ def parse(calibration: str | Calibrator) -> Calibrator:
             )
     if name not in _SYNTAX:
         raise bad(f"unknown method {name!r}; allowed: {', '.join(_NAMES)}")
-    arity = {"absmax": (0, 1), "minmax": (0,), "rms": (1,), "fixed": (2,)}
+    arity = {"absmax": (0, 1), "minmax": (0,), "rms": (1,), "fixed": (1, 2)}
     arity |= {"percentile": (1,), "mse": (0, 1, 2)}
     if len(args) not in arity[name]:
         raise bad(
@@ -307,6 +308,12 @@ def parse(calibration: str | Calibrator) -> Calibrator:
             raise bad(f"k={args[0]} must be > 0")
         return Rms(args[0])
     if name == "fixed":
+        if len(args) == 1:
+            if not args[0] > 0:
+                raise bad(
+                    f"bound={args[0]} must be > 0 ('fixed,<bound>' is the range -bound..bound)"
+                )
+            args = [-args[0], args[0]]
         lo, hi = args
         if not lo < hi:
             raise bad(f"lo={lo} must be < hi={hi}")

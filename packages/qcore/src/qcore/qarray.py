@@ -60,10 +60,10 @@ class HowToQuantize:
             int means that one axis. Each axis once.
         tiled_axes: ``{axis: tile}`` (or ``(axis, tile)`` pairs); an ``int`` tile
             is a length, a ``float`` in ``(0, 1)`` a fraction of the axis (``0.25``
-            = 4 tiles). Block-scaled types (mx, nvfp4) tile the last axis with
-            their block size unless an axis is given here. Each axis once (``1``
-            and ``-1`` name the same axis of a matrix); an axis is either
-            channelwise or tiled.
+            = 4 tiles). Block-scaled types (mx, nvfp4) tile the innermost axis
+            that is not channelwise with their block size unless an axis is given
+            here. Each axis once (``1`` and ``-1`` name the same axis of a
+            matrix); an axis is either channelwise or tiled.
         calibration: A calibration string (see :mod:`qcore.calibration`) or
             calibrator. Other axes are reduced.
         rounding: ``"nearest_even"``, ``"away_from_zero"`` or ``"stochastic"``.
@@ -164,9 +164,16 @@ class HowToQuantize:
             )
         if qtype.block_size is not None:
             if not tiles:
-                if ndim == 0:
-                    raise ValueError(f"qtype={qtype.name!r} is block-scaled; x must have an axis")
-                tiles = {ndim - 1: qtype.block_size}
+                # Blocks run along the innermost axis that shares scales (a weight's
+                # innermost contracted axis), never along a per-channel one.
+                reduced = [a for a in range(ndim) if a not in channel]
+                if not reduced:
+                    raise ValueError(
+                        f"qtype={qtype.name!r} is block-scaled; it needs an axis that is not "
+                        f"channelwise to run its blocks along (shape {shape}, channelwise_axes="
+                        f"{self.channelwise_axes})"
+                    )
+                tiles = {reduced[-1]: qtype.block_size}
             if len(tiles) != 1 or next(iter(tiles.values())) != qtype.block_size:
                 raise ValueError(
                     f"qtype={qtype.name!r} uses blocks of {qtype.block_size} along one axis; "
@@ -236,6 +243,12 @@ def _axes(name: str, axes: Sequence[int], ndim: int, shown: Any = None) -> list[
             )
     return out
 
+
+# Scale dtypes that are not a block type's own (e8m0, e4m3): ops take the result dtype
+# from them (see qcore.ops.operand), and QArray.astype casts them.
+_FULL_PRECISION_SCALES = frozenset(
+    jnp.dtype(d) for d in (jnp.float32, jnp.float64, jnp.bfloat16, jnp.float16)
+)
 
 _FLOAT_DTYPES = ("float32", "bfloat16", "float16", "float8_e4m3fn", "float8_e5m2", "float8_e8m0fnu")
 
@@ -421,9 +434,59 @@ class QArray:
         return sum(leaf.nbytes for leaf in jax.tree.leaves(self))
 
     @property
+    def scale_tile_shape(self) -> Shape:
+        """How many values share one scale along each axis (``shape // scale.shape``)."""
+        return _tile_shape(self.shape, self.scale.shape)
+
+    @property
+    def zero_point_tile_shape(self) -> Shape | None:
+        """Like :attr:`scale_tile_shape` for the zero points; None when symmetric."""
+        return None if self.zero_point is None else _tile_shape(self.shape, self.zero_point.shape)
+
+    @property
     def T(self) -> QArray:  # noqa: N802 - mirrors jax.Array.T
         """Transpose with all axes reversed."""
         return self.transpose()
+
+    @property
+    def mT(self) -> QArray:  # noqa: N802 - mirrors jax.Array.mT
+        """Matrix transpose: the last two axes swapped."""
+        if self.ndim < 2:
+            raise ValueError(f"mT needs a QArray of rank >= 2, got shape {self.shape}")
+        return self.swapaxes(-2, -1)
+
+    def swapaxes(self, axis1: int, axis2: int) -> QArray:
+        """Swaps two axes of codes, scales and zero points together."""
+        perm = list(range(self.ndim))
+        a, b = _axis("axis1", axis1, self.ndim), _axis("axis2", axis2, self.ndim)
+        perm[a], perm[b] = b, a
+        return self.transpose(*perm)
+
+    def astype(self, dtype: Any) -> QArray:
+        """The same codes, dequantizing to ``dtype`` (a floating-point dtype).
+
+        Ops take their result dtype from a QArray's scale, so a scale in float32,
+        bfloat16 or float16 is cast (rounded to nearest) to ``dtype`` too; a block
+        scale (e8m0, e4m3) keeps its own dtype.
+
+        Raises:
+            ValueError: If ``dtype`` is not a floating-point dtype.
+
+        Example:
+            >>> import jax.numpy as jnp
+            >>> from qcore import HowToQuantize, quantize
+            >>> q = quantize(jnp.linspace(-1.0, 1.0, 8), HowToQuantize(qtype="int8"))
+            >>> q16 = q.astype("bfloat16")
+            >>> q16.dtype, q16.scale.dtype
+            (dtype(bfloat16), dtype(bfloat16))
+        """
+        dtype = _float_dtype("dtype", dtype)
+        scale = self.scale
+        if scale.dtype in _FULL_PRECISION_SCALES:
+            scale = scale.astype(dtype)
+        return QArray._from_parts(
+            self.qvalue, scale, self.zero_point, self.tensor_scale, self.qtype, dtype, self.packing
+        )
 
     def transpose(self, *axes: int) -> QArray:
         """Permutes axes of codes, scales and zero points together."""
@@ -453,18 +516,31 @@ class QArray:
         return result
 
     def __getitem__(self, index: Any) -> QArray:
-        """Indexes with ints, slices and ``...``; slices of tiled axes must keep tiles whole."""
+        """Indexes with ints, slices, ``None`` and ``...``; slices of tiled axes keep tiles whole.
+
+        ``None`` (``np.newaxis``) inserts a size-1 axis, as for arrays.
+        """
         if self.packing is not None:
             raise ValueError("indexing a packed QArray: call qcore.unpack(q) first")
         idx = index if isinstance(index, tuple) else (index,)
+        used = sum(i is not None and i is not Ellipsis for i in idx)
         if idx.count(Ellipsis) == 1:
             at = idx.index(Ellipsis)
-            idx = idx[:at] + (slice(None),) * (self.ndim - len(idx) + 1) + idx[at + 1 :]
-        if len(idx) > self.ndim or not all(isinstance(i, int | slice) for i in idx):
+            idx = idx[:at] + (slice(None),) * (self.ndim - used) + idx[at + 1 :]
+        if used > self.ndim or not all(i is None or isinstance(i, int | slice) for i in idx):
             raise ValueError(
-                f"index {index!r}: QArray supports up to {self.ndim} ints and slices "
-                "and one Ellipsis"
+                f"index {index!r}: QArray supports up to {self.ndim} ints and slices, "
+                "None and one Ellipsis"
             )
+        if None in idx:
+            # Index without the Nones, then insert a size-1 axis where each stood in the result.
+            kept = tuple(i for i in idx if i is not None)
+            new_axes, out = [], 0
+            for i in idx:
+                if i is None:
+                    new_axes.append(out)
+                out += not isinstance(i, int)
+            return self[kept]._replace(lambda a: jnp.expand_dims(a, new_axes))
         idx = idx + (slice(None),) * (self.ndim - len(idx))
         sidx = tuple(
             _scale_index(i, d, s, axis)
@@ -543,6 +619,10 @@ def _check_scale_shape(shape: Shape, sshape: Shape, name: str) -> None:
             f"{name} shape {tuple(sshape)} does not fit value shape {tuple(shape)}: it needs the "
             "same rank and each of its dims must divide the value's dim"
         )
+
+
+def _tile_shape(shape: Shape, sshape: Shape) -> Shape:
+    return tuple(d // s if s else d for d, s in zip(shape, sshape, strict=True))
 
 
 def _check_zero_point_allowed(qtype: QType) -> None:

@@ -203,7 +203,17 @@ class RuleMatcher(Generic[R]):
         self.rules: list[R] = list(rules)
         self._applies = applies
         self._used: set[int] = set()
+        self._warned: set[str] = set()
         self._lock = threading.Lock()
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickles the rules and the record of used rules (not the lock)."""
+        with self._lock:
+            copies = {"_used": set(self._used), "_warned": set(self._warned)}
+            return {**vars(self), **copies, "_lock": None}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        vars(self).update(state, _lock=threading.Lock())
 
     def match(self, path: str, *context: Any) -> R | None:
         """The first rule that applies to ``path`` (and ``context``), or None."""
@@ -213,6 +223,22 @@ class RuleMatcher(Generic[R]):
         with self._lock:
             self._used.add(i)
         return self.rules[i]
+
+    def warn_once(self, key: str, message: str, stacklevel: int = 1) -> None:
+        """Warns (``UserWarning``) ``message`` the first time this matcher sees ``key``.
+
+        Args:
+            key: What the warning is about (e.g. a param path); later calls with it
+                say nothing.
+            message: The warning's text.
+            stacklevel: As for :func:`warnings.warn`, counted from the caller of
+                this method (1: the line that calls it).
+        """
+        with self._lock:
+            if key in self._warned:
+                return
+            self._warned.add(key)
+        warnings.warn(message, UserWarning, stacklevel=stacklevel + 1)
 
     def unused_rules(self) -> list[R]:
         """Rules that have not matched anything so far."""

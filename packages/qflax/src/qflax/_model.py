@@ -1,10 +1,13 @@
 """``quantize_model``: a Linen or NNX model whose calls run through a provider.
 
-Linen: :func:`quantize_model` returns a :class:`QuantizedLinen` whose ``init``
-creates quantized params (PtqProvider) or float params plus empty
-``quant_stats`` (QtProvider), and whose ``apply`` computes with them. Float
-params given to ``apply`` with ``mutable=["params"]`` are quantized in the model
-and returned; without it they raise.
+Linen: :func:`quantize_model` returns an instance of a subclass of the model's
+own class (and of :class:`QuantizedLinen`) whose ``methods`` run through the
+provider, so it stands in for the model wherever the model is used. Its ``init``
+is the model's own, in one pass: params are quantized as they are created
+(PtqProvider) or kept float with empty ``quant_stats`` (QtProvider). Its
+``apply`` computes with them; float params given to ``apply`` with
+``mutable=["params"]`` are quantized in the model and returned, without it they
+raise.
 
 NNX: the model is quantized *in place*, one parameter at a time, so the float and
 the quantized weights are never both held in full (no clone). A first, abstract
@@ -19,7 +22,10 @@ the provider; it is returned for convenience.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
+import threading
+import types
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, cast
 
@@ -27,7 +33,6 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from flax.core import scope as flax_scope
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -54,15 +59,28 @@ def quantize_model(
         provider: A :class:`~qflax.PtqProvider` or :class:`~qflax.QtProvider`.
         *example_inputs: NNX only: inputs of ``methods[0]``, traced abstractly to
             find the parameters to quantize. Linen models take inputs at ``init``.
-        methods: Methods that run quantized.
+        methods: Methods that run quantized. Linen: ``init``/``apply`` of another
+            method of the model (``method="decode"``) raises rather than run it
+            in float; a function given as ``method`` runs as it is, quantized
+            inside the listed methods it calls.
         **example_kwargs: NNX only: keyword inputs of ``methods[0]``.
 
     Returns:
-        A :class:`QuantizedLinen`, or the NNX model itself, quantized in place.
+        Linen: an instance of ``Quantized<Model>``, a subclass of the model's class
+        and of :class:`QuantizedLinen` with the same fields (one class per class
+        and ``methods``; the provider is its ``qflax_provider`` field). It
+        behaves like the model (``clone``, ``bind``, attributes, other
+        methods); its listed methods run through the provider, in init mode
+        under ``init`` (the model's own init, its ``is_initializing()`` branch
+        included: params are quantized as they are created, so the float ones
+        are exactly ``model.init``'s), quantizing float params in place when
+        ``params`` is mutable, else applying. A listed method called from another
+        one runs in the outer call. NNX: the model itself, quantized in place.
 
     Raises:
         ValueError: For a model that is neither Linen nor NNX, a missing method,
-            NNX without example inputs, or rules the model cannot satisfy.
+            a bound Linen module, NNX without example inputs, or rules the model
+            cannot satisfy.
 
     Example:
         >>> import flax.linen as nn, jax, jax.numpy as jnp
@@ -74,6 +92,8 @@ def quantize_model(
         QArray(int8, shape=(8, 4), dtype=float32, scale=(1, 4))
         >>> qmodel.apply({"params": params}, jnp.ones((2, 8))).shape
         (2, 4)
+        >>> isinstance(qmodel, nn.Dense), qmodel.features, type(qmodel).__name__
+        (True, 4, 'QuantizedDense')
     """
     if not isinstance(provider, Provider):
         raise ValueError(f"provider={provider!r} must be a qflax.PtqProvider or QtProvider")
@@ -84,7 +104,7 @@ def quantize_model(
         if not callable(getattr(type(model), m, None)):
             raise ValueError(f"methods: {type(model).__name__} has no method {m!r}")
     if flavors.of(model) is flavors.LINEN:
-        return QuantizedLinen(cast(nn.Module, model), provider, methods)
+        return _quantize_linen(cast(nn.Module, model), provider, methods)
     nnx_model = cast(nnx.Module, model)
     return _quantize_nnx(nnx_model, provider, methods, example_inputs, example_kwargs)
 
@@ -95,70 +115,181 @@ def _calling(provider: Provider, ctx: CallContext) -> Iterator[None]:
         yield
 
 
-class QuantizedLinen:
-    """A Linen model whose ``init`` and ``apply`` run through a provider.
+class _Alias:
+    """A read-only class attribute that an instance attribute of the same name overrides.
 
-    Attributes:
-        model: The original module.
-        provider: The provider.
-        methods: Names of the methods that run quantized.
+    (A non-data descriptor: a model field or attribute called ``model``,
+    ``provider`` or ``methods`` keeps its meaning on the quantized model.)
     """
 
-    def __init__(self, model: nn.Module, provider: Provider, methods: tuple[str, ...]) -> None:
-        self.model, self.provider, self.methods = model, provider, methods
+    def __init__(self, fget: Callable[[Any], Any]) -> None:
+        self.fget, self.__doc__ = fget, fget.__doc__
 
-    def __repr__(self) -> str:
-        return f"QuantizedLinen({type(self.model).__name__}, {type(self.provider).__name__})"
+    def __get__(self, obj: Any, owner: type | None = None) -> Any:
+        return self if obj is None else self.fget(obj)
 
-    def _run(self, mode: Mode, method: Any, fn: Callable[[], Any]) -> Any:
-        name = "__call__" if method is None else getattr(method, "__name__", method)
-        if name not in self.methods:
-            return fn()
-        ctx = CallContext(flavors.LINEN, mode)
-        with _calling(self.provider, ctx):
-            out = fn()
-        self.provider.call_finished()
+
+class QuantizedLinen:
+    """The base of every quantized Linen model class :func:`quantize_model` makes.
+
+    ``quantize_model(model, provider, methods=...)`` returns an instance of a
+    subclass of ``type(model)`` and of this class: it has the model's fields,
+    attributes and methods (``clone``, ``bind``, ``init``, ``apply``...), and its
+    ``methods`` run through the provider, in a mode chosen from the scope: init
+    (``is_initializing()``: the model's own init, quantizing params as they are
+    created), quantize (``params`` mutable: float params are quantized in place),
+    or apply. A quantized method called from another one runs in the outer call.
+    Its ``model``, ``provider`` and ``methods`` are documented below.
+    """
+
+    qflax_provider: Provider
+    qflax_methods: tuple[str, ...]
+
+    @_Alias
+    def provider(self) -> Provider:
+        """The provider (the ``qflax_provider`` field)."""
+        return self.qflax_provider
+
+    @_Alias
+    def methods(self) -> tuple[str, ...]:
+        """Names of the methods that run quantized."""
+        return self.qflax_methods
+
+    @_Alias
+    def model(self) -> nn.Module:
+        """The original (float) module, with the same fields."""
+        return _float_module(cast(nn.Module, self))
+
+
+def _float_module(module: nn.Module) -> nn.Module:
+    return type(module).__bases__[0](**_init_fields(module))
+
+
+def _init_fields(module: nn.Module) -> dict[str, Any]:
+    return {f.name: getattr(module, f.name) for f in dataclasses.fields(module) if f.init}
+
+
+_linen_calls = threading.local()  # .depth: quantized Linen methods running on this thread
+
+
+def _linen_mode(module: nn.Module) -> Mode:
+    if module.is_initializing():
+        return Mode.INIT
+    return Mode.QUANTIZE if module.is_mutable_collection("params") else Mode.APPLY
+
+
+def _linen_method(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``original`` run through the module's provider, in one context per outermost call."""
+
+    @functools.wraps(original)  # keeps Flax's wrapper marks: Flax does not wrap it again
+    def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+        depth = getattr(_linen_calls, "depth", 0)
+        if depth or self.scope is None:  # nested (the outer call's context), or unbound
+            return original(self, *args, **kwargs)
+        provider = self.qflax_provider
+        ctx = CallContext(flavors.LINEN, _linen_mode(self))
+        _linen_calls.depth = depth + 1
+        try:
+            with _calling(provider, ctx):
+                out = original(self, *args, **kwargs)
+        finally:
+            _linen_calls.depth = depth
+        provider.call_finished()
         return out
 
-    def init_with_output(
-        self, rngs: Any, *args: Any, method: Any = None, **kwargs: Any
-    ) -> tuple[Any, Any]:
-        """Like ``nn.Module.init_with_output``, with quantized params (PtqProvider).
+    return method
 
-        The float variables come from the model's own ``init`` (so they equal
-        ``model.init``'s), then one quantized call converts them and creates the
-        providers' variables (static scales, empty statistics).
-        """
-        variables = self.model.init(rngs, *args, method=method, **kwargs)
-        if isinstance(rngs, jax.Array):
-            rngs = {"params": rngs}
-        return self._run(
-            Mode.INIT,
-            method,
-            lambda: self.model.apply(
-                variables, *args, method=method, mutable=True, rngs=rngs, **kwargs
-            ),
+
+def _entry_method(module: Any, method: Any) -> Any:
+    """The ``method`` argument to hand Flax's ``init``/``apply``.
+
+    A method of the model's class (by name, bound or as the class's function)
+    must be one of the quantized ``methods`` and becomes the quantized one; any
+    other function runs as it is (quantized inside the listed methods it calls).
+
+    Raises:
+        ValueError: For a method of the model that is not in ``methods``.
+    """
+    base = type(module).__bases__[0]
+    if method is None or isinstance(method, str):
+        name = "__call__" if method is None else method
+    elif (
+        isinstance(method, types.MethodType)
+        or getattr(base, getattr(method, "__name__", ""), None) is method
+    ):
+        name = method.__name__
+    else:
+        return method
+    if name not in module.qflax_methods:
+        raise ValueError(
+            f"method={name!r} of {base.__name__} does not run quantized: the model was "
+            f"quantized with methods={module.qflax_methods!r}; quantize it with "
+            f"methods=[..., {name!r}]"
         )
+    return method if method is None or isinstance(method, str) else getattr(type(module), name)
 
-    def init(self, rngs: Any, *args: Any, method: Any = None, **kwargs: Any) -> Any:
-        """Like ``nn.Module.init``; see :meth:`init_with_output`."""
-        return self.init_with_output(rngs, *args, method=method, **kwargs)[1]
 
-    def apply(
-        self, variables: Any, *args: Any, method: Any = None, mutable: Any = False, **kwargs: Any
-    ) -> Any:
-        """Like ``nn.Module.apply``.
+def _entry(name: str) -> Callable[..., Any]:
+    """``nn.Module.<name>`` (init, init_with_output, apply) with the method checked."""
+    original = getattr(nn.Module, name)
 
-        With ``mutable`` including ``"params"``, float params that the rules
-        quantize are quantized in the model and returned in the updated variables.
-        """
-        params_mutable = flax_scope.in_filter(mutable, "params") if mutable else False
-        mode = Mode.QUANTIZE if params_mutable else Mode.APPLY
-        return self._run(
-            mode,
-            method,
-            lambda: self.model.apply(variables, *args, method=method, mutable=mutable, **kwargs),
+    @functools.wraps(original)
+    def entry(self: Any, *args: Any, method: Any = None, **kwargs: Any) -> Any:
+        return original(self, *args, method=_entry_method(self, method), **kwargs)
+
+    return nn.nowrap(entry)
+
+
+def _reduce(self: Any) -> tuple[Any, ...]:
+    base, fields = type(self).__bases__[0], _init_fields(self)
+    return _rebuild_linen, (base, self.qflax_methods, fields, self.qflax_provider)
+
+
+def _rebuild_linen(
+    cls: type, methods: tuple[str, ...], fields: dict[str, Any], provider: Provider
+) -> Any:
+    module = _quantized_linen_class(cls, methods)(**fields)
+    object.__setattr__(module, "qflax_provider", provider)
+    return module
+
+
+def _clone(self: Any, *args: Any, **kwargs: Any) -> Any:
+    """``Module.clone``, keeping the provider (not an init field, see below)."""
+    clone = type(self).__bases__[0].clone(self, *args, **kwargs)
+    object.__setattr__(clone, "qflax_provider", self.qflax_provider)
+    return clone
+
+
+@functools.cache
+def _quantized_linen_class(cls: type, methods: tuple[str, ...]) -> type:
+    """The subclass of ``cls`` whose ``methods`` run through the model's provider.
+
+    One class per ``(cls, methods)``: the provider is a dataclass field
+    (``qflax_provider``) that ``clone`` keeps and that is freed with the model. It
+    is not an init field: Flax's lifted class transforms (``nn.remat(Model)``)
+    rebuild the original class from the init fields of the quantized one.
+    """
+    attrs: dict[str, Any] = {name: _linen_method(getattr(cls, name)) for name in methods}
+    attrs |= {name: _entry(name) for name in ("init", "init_with_output", "apply")}
+    attrs["__reduce__"] = nn.nowrap(_reduce)
+    attrs["qflax_methods"] = methods
+    attrs["clone"] = nn.nowrap(_clone)
+    attrs["qflax_provider"] = dataclasses.field(default=None, init=False, repr=False, compare=False)
+    attrs["__annotations__"] = {"qflax_provider": Any}
+    attrs["__qualname__"] = f"Quantized{cls.__qualname__}"
+    attrs["__module__"] = cls.__module__
+    return type(f"Quantized{cls.__name__}", (cls, QuantizedLinen), attrs)
+
+
+def _quantize_linen(model: nn.Module, provider: Provider, methods: tuple[str, ...]) -> Any:
+    if isinstance(model, QuantizedLinen):  # re-quantizing: start from the original class
+        model = _float_module(model)
+    if model.scope is not None:
+        raise ValueError(
+            f"model={type(model).__name__} is bound to variables; allowed: an unbound module "
+            "(quantize the module, then bind or apply the quantized one)"
         )
+    return _rebuild_linen(type(model), methods, _init_fields(model), provider)
 
 
 # -- NNX ---------------------------------------------------------------------------
@@ -298,14 +429,15 @@ def _sharded_like(value: jax.Array, recipe: Any) -> QuantizedParam:
     """Quantizes ``value``; codes and scales of a mesh-sharded value stay on its mesh.
 
     ``qvalue`` takes the float parameter's partition spec and ``scale`` keeps it
-    along per-channel axes only (see ``qflax._engine.layout.leaf_axes``).
+    along per-channel and tiled axes that split evenly over the mesh (see
+    ``qflax._engine.layout.leaf_axes``).
     """
     qp = quantize_param(value, recipe)
     sharding = getattr(value, "sharding", None)
     if not isinstance(sharding, NamedSharding):
         return qp
     spec = tuple(sharding.spec) + (None,) * (value.ndim - len(sharding.spec))
-    axes = leaf_axes(qp, spec)
+    axes = leaf_axes(qp, spec, dict(sharding.mesh.shape))
     children, aux = qp.qarray.tree_flatten_with_keys()
     placed = [
         None

@@ -10,7 +10,7 @@ scales from ``quant_stats``.
 
 ``params`` may hold only part of the model (e.g. one layer at a time, to load a
 large checkpoint piece by piece): every entry must exist in the abstract tree,
-unless ``allow_extra_params`` lets unknown entries through unchanged, and each
+unless ``allow_extra_params`` drops unknown entries (as Qwix does), and each
 module it holds must have all of its params. Weights to quantize must be float and
 finite: an integer dtype or a NaN/inf value raises, naming the param.
 """
@@ -21,6 +21,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import flax.linen as nn
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx, traverse_util
 
@@ -48,11 +49,14 @@ def quantize_params(
             NNX model; leaves may be ``jax.ShapeDtypeStruct``.
         quant_stats: The ``quant_stats`` collection of a calibrated QtProvider
             model (Linen dict, or NNX model/state), for static activation scales.
-        allow_extra_params: Pass entries unknown to the abstract tree through.
+        allow_extra_params: Drop entries unknown to the abstract tree (params
+            the quantized model does not use, e.g. a loss head) instead of raising.
 
     Returns:
         A nested dict shaped like ``params``: quantized weights become
-        QuantizedParams and the static scales of modules in ``params`` are added.
+        QuantizedParams and the static scales of modules in ``params`` (and of
+        modules without params of their own above them) are added; entries dropped
+        by ``allow_extra_params`` are left out.
 
     Raises:
         TypeError: For trees that are not nested dicts (or NNX modules/states), a
@@ -89,11 +93,10 @@ def quantize_params(
             )
         if path not in abstract:
             if allow_extra_params:
-                out[path] = value
-                continue
+                continue  # dropped: the result holds the quantized model's params only
             raise ValueError(
                 f"params[{where!r}] is not in abstract_quantized_params; pass "
-                "allow_extra_params=True to keep entries the quantized model does not use"
+                "allow_extra_params=True to drop entries the quantized model does not use"
             )
         target = abstract[path]
         want = tuple(target.shape)
@@ -103,7 +106,7 @@ def quantize_params(
                 f"model expects {want}"
             )
         if isinstance(target, QuantizedParam):
-            if not np.issubdtype(value.dtype, np.inexact):
+            if not jnp.issubdtype(value.dtype, jnp.inexact):
                 raise TypeError(
                     f"params[{where!r}] has dtype {np.dtype(value.dtype)}, but the quantized "
                     f"model quantizes it as a {np.dtype(target.dtype)} param; allowed: "
@@ -114,7 +117,7 @@ def quantize_params(
         else:
             out[path] = value
     _check_complete(flat, abstract)
-    modules = {path[:-1] for path in flat}
+    modules = _scaled_modules(flat, abstract)
     stat_tree = None if quant_stats is None else _flatten(quant_stats, "quant_stats")
     for path, target in abstract.items():
         if not isinstance(target, ActScale) or path[:-1] not in modules:
@@ -153,6 +156,20 @@ def _flatten(tree: Any, name: str) -> dict[Path, Any]:
     for path, leaf in flat.items():
         result[tuple(str(p) for p in path)] = nn.meta.unbox(leaf)
     return result
+
+
+def _scaled_modules(flat: dict[Path, Any], abstract: dict[Path, Any]) -> set[Path]:
+    """The modules whose static scales ``quantize_params`` makes for ``flat``.
+
+    The modules ``flat`` holds params of, and the modules without params of their own
+    above them (an attention module whose ``q @ k`` einsum sits between its Dense
+    submodules), which would otherwise never get theirs.
+    """
+    held = {path[:-1] for path in flat}
+    owners = {path[:-1] for path, t in abstract.items() if not isinstance(t, ActScale)}
+    paramless = {path[:-1] for path in abstract} - owners
+    above = {m for m in paramless if any(h[: len(m)] == m for h in held)}
+    return held | above
 
 
 def _check_complete(flat: dict[Path, Any], abstract: dict[Path, Any]) -> None:

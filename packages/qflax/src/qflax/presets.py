@@ -42,8 +42,10 @@ Example:
     >>> qmodel = qflax.quantize_model(Tiny(), qflax.PtqProvider(result.rules))
     >>> y = qmodel.apply({"params": result.params}, ids[0])
 
-Tile sizes must divide the width each op's tiles run along (a clear error names
-the op otherwise): pass ``tile_size`` for models with other widths.
+Tiles run along each weight's innermost contracting axis (a table's row); a width
+longer than the tile must be a multiple of it (a clear error names the param
+otherwise), a shorter one is one block: pass ``tile_size`` for models with other
+widths.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ as an unused rule instead of a silently float model.
 
 A rule turns into qcore specs for an op's operands with :meth:`weight_spec` and
 :meth:`act_spec`: weights get one scale per output channel (every axis that is
-not contracted), optionally tiled along the contracting axes; activations get
+not contracted), optionally tiled along the innermost contracting axis; activations get
 one scale per row by default (every axis the op does not contract: per token for
 ``(batch, seq, features)`` inputs, per example for convolutions), or per index of
 ``act_batch_axes``.
@@ -27,8 +27,13 @@ Example:
     True
     >>> [r.module_path for r in m.unused_rules()]
     ['head']
-    >>> rules[1].weight_spec(ndim=2, contracting_axes=(0,)).tiled_axes
+    >>> rules[1].weight_spec(shape=(64, 16), contracting_axes=(0,)).tiled_axes
     ((0, 32),)
+    >>> conv = rules[1].weight_spec(shape=(3, 3, 64, 16), contracting_axes=(0, 1, 2))
+    >>> conv.scale_shape((3, 3, 64, 16))  # blocks of 32 input channels, per tap
+    (3, 3, 2, 16)
+    >>> rules[1].weight_spec(shape=(3, 3, 3, 16), contracting_axes=(0, 1, 2)).channelwise_axes
+    (3,)
 """
 
 from __future__ import annotations
@@ -66,11 +71,23 @@ class QuantizationRule:
             the same type and tiles.
         weight_qtype: qtype of the weight operand, or None to keep it float.
         act_qtype: qtype of the activation operand, or None (weight-only).
-        tile_size: Sub-channel tiles along the weight's contracting axes: an int
-            (tile length), a float in (0, 1) (fraction = 1 / number of tiles), or
-            ``{axis: size}`` for explicit contracting axes (checked against each
-            weight: an axis out of range or not contracted raises); None for
-            per-channel.
+        tile_size: Sub-channel blocks (GPTQ's groups): an int (tile length), a float
+            in (0, 1) (fraction = 1 / number of tiles), or ``{axis: size}``; None for
+            one scale per output channel. An int or fraction tiles one axis, the
+            weight's innermost (last) contracting axis in the layout the op sees
+            (a Dense kernel's inputs, the ``head_dim`` of a ``(heads, head_dim, d)``
+            projection, the input channels of an HWIO conv kernel, the row of a
+            looked-up table); every other axis keeps one scale per index, so a block
+            holds ``tile_size`` values. An innermost axis no longer than the tile is
+            one block, which then takes in whole contracting axes before it
+            (innermost first) while it holds at most ``tile_size`` values: a 3x3
+            stem conv with 3 input channels gets one scale per output channel (27
+            values), a depthwise kernel ``(3, 3, 1, C)`` one per channel (9). An
+            innermost axis longer than the tile must be a multiple of it (a
+            ``ValueError`` names the param, the axis, its size and the tile). A
+            mapping tiles exactly the axes it names (each must be contracted; an
+            axis out of range or not contracted raises) and shares one scale along
+            the other contracting axes. Activations are not tiled.
         act_static_scale: Use stored (calibrated) activation scales instead of
             computing them per call.
         weight_calibration_method: Calibration of weight scales (qcore string).
@@ -153,44 +170,58 @@ class QuantizationRule:
         """Whether this rule applies to op ``op_name`` called by the module at ``path``."""
         return op_name in self.op_names and qcore.rules.path_matches(self.module_path, path)
 
-    def weight_spec(self, ndim: int, contracting_axes: Sequence[int]) -> HowToQuantize | None:
-        """The qcore spec of a weight of rank ``ndim`` contracted over ``contracting_axes``.
+    def weight_spec(
+        self, shape: Sequence[int], contracting_axes: Sequence[int]
+    ) -> HowToQuantize | None:
+        """The qcore spec of a weight of ``shape`` contracted over ``contracting_axes``.
 
-        One scale per output channel (every non-contracting axis), tiles from
-        ``tile_size`` along the contracting axes (an int or fraction applies to
-        each contracting axis; a mapping names axes explicitly).
+        One scale per output channel (every non-contracting axis); ``tile_size``
+        tiles the innermost (last) contracting axis, see :attr:`tile_size`.
+
+        Raises:
+            ValueError: A ``tile_size`` that does not fit the weight (an innermost
+                axis longer than the tile but not a multiple of it, a mapping that
+                names an axis out of range or not contracted).
         """
         if self.weight_qtype is None:
             return None
+        ndim = len(shape)
         contracting = tuple(a % ndim for a in contracting_axes)
-        channel = tuple(a for a in range(ndim) if a not in contracting)
-        return HowToQuantize(
-            qtype=self.weight_qtype,
-            channelwise_axes=channel,
-            tiled_axes=self._tiles(ndim, contracting),
-            calibration=self.weight_calibration_method,
-            pack=_packable(self.weight_qtype),
-            pack_axis=contracting[0] if contracting else -1,
-        )
+        pack_axis = contracting[0] if contracting else -1
+        return self._spec(shape, contracting, "contracted axis", pack_axis)
 
-    def lookup_spec(self, ndim: int, axis: int) -> HowToQuantize | None:
-        """The qcore spec of a table of rank ``ndim`` looked up along ``axis``.
+    def lookup_spec(self, shape: Sequence[int], axis: int) -> HowToQuantize | None:
+        """The qcore spec of a table of ``shape`` looked up along ``axis``.
 
-        One scale per row (index along ``axis``), tiles from ``tile_size`` along the
-        other axes (an int or fraction applies to each), sub-byte codes packed
-        along the last of them.
+        One scale per row (index along ``axis``); ``tile_size`` tiles the row's last
+        axis as it tiles a weight's innermost contracting axis (see
+        :attr:`tile_size`); sub-byte codes packed along it.
+
+        Raises:
+            ValueError: A ``tile_size`` that does not fit the table (as for
+                :meth:`weight_spec`).
         """
         if self.weight_qtype is None:
             return None
-        axis %= ndim
-        rest = tuple(a for a in range(ndim) if a != axis)
+        axis %= len(shape)
+        rest = tuple(a for a in range(len(shape)) if a != axis)
+        return self._spec(shape, rest, "row axis", rest[-1] if rest else None)
+
+    def _spec(
+        self, shape: Sequence[int], axes: tuple[int, ...], kind: str, pack_axis: int | None
+    ) -> HowToQuantize:
+        """The spec of a weight whose scales may be shared along ``axes`` (``kind`` of axis).
+
+        Sub-byte codes are packed along ``pack_axis`` (None: not packed).
+        """
+        tiles, shared = self._blocks(tuple(shape), tuple(sorted(axes)), kind)
         return HowToQuantize(
-            qtype=self.weight_qtype,
-            channelwise_axes=(axis,),
-            tiled_axes=self._tiles(ndim, rest),
+            qtype=cast(str | qcore.QType, self.weight_qtype),
+            channelwise_axes=tuple(a for a in range(len(shape)) if a not in {*tiles, *shared}),
+            tiled_axes=tiles,
             calibration=self.weight_calibration_method,
-            pack=_packable(self.weight_qtype) and bool(rest),
-            pack_axis=rest[-1] if rest else -1,
+            pack=_packable(self.weight_qtype) and pack_axis is not None,
+            pack_axis=-1 if pack_axis is None else pack_axis,
         )
 
     def act_spec(self, ndim: int, contracting_axes: Sequence[int] = ()) -> HowToQuantize | None:
@@ -239,18 +270,42 @@ class QuantizationRule:
             )
         return tuple(batch)
 
-    def _tiles(self, ndim: int, contracting: tuple[int, ...]) -> dict[int, int | float]:
-        """Tiles by axis; ``contracting``: the axes that may be tiled (already non-negative)."""
+    def _blocks(
+        self, shape: tuple[int, ...], axes: tuple[int, ...], kind: str
+    ) -> tuple[dict[int, int | float], tuple[int, ...]]:
+        """``(tiles by axis, axes a block spans whole)`` over ``axes`` (sorted, >= 0).
+
+        Axes of ``axes`` in neither get one scale per index.
+        """
         tile = self.tile_size
-        if tile is None:
-            return {}
-        if isinstance(tile, int | float):
-            return {a: tile for a in contracting}
-        pairs = cast(tuple[tuple[int, int | float], ...], tile)  # normalised in __post_init__
-        allowed = f"allowed: axes {contracting} (or {tuple(a - ndim for a in contracting)})"
+        if tile is None or not axes:
+            return {}, axes
+        if not isinstance(tile, int | float):
+            tiles = self._named_tiles(len(shape), axes)
+            return tiles, tuple(a for a in axes if a not in tiles)
+        *outer, inner = axes
+        n = shape[inner]
+        if isinstance(tile, float) or n > tile:
+            if isinstance(tile, int) and n % tile:
+                raise ValueError(
+                    f"tile_size={tile}: {kind} {inner} (the one tiled) has size {n}, which is "
+                    f"not a multiple of the tile {tile}; allowed: a tile_size that divides {n}, "
+                    f"or one of at least {n} (one block along the axis)"
+                )
+            return {inner: tile}, ()
+        whole, size = [inner], n  # no longer than a tile: one block, grown by whole axes
+        while outer and size * shape[outer[-1]] <= tile:
+            size *= shape[outer[-1]]
+            whole.append(outer.pop())
+        return {}, tuple(sorted(whole))
+
+    def _named_tiles(self, ndim: int, axes: tuple[int, ...]) -> dict[int, int | float]:
+        """A ``tile_size`` mapping checked against a weight of rank ``ndim``."""
+        pairs = cast(tuple[tuple[int, int | float], ...], self.tile_size)  # see __post_init__
+        allowed = f"allowed: axes {axes} (or {tuple(a - ndim for a in axes)})"
         tiles: dict[int, int | float] = {}
         for a, t in pairs:
-            if not -ndim <= a < ndim or a % ndim not in contracting:
+            if not -ndim <= a < ndim or a % ndim not in axes:
                 where = "out of range" if not -ndim <= a < ndim else "not a tileable axis"
                 raise ValueError(
                     f"tile_size={dict(pairs)}: axis {a} is {where} for a weight of rank "
@@ -319,6 +374,10 @@ class RuleMatcher:
     def warn_unused(self) -> None:
         """Warns (``UserWarning``) about every rule that matched nothing."""
         self._matcher.warn_unused(_unused_message, stacklevel=2)
+
+    def warn_once(self, key: str, message: str) -> None:
+        """Warns (``UserWarning``) ``message`` the first time this matcher sees ``key``."""
+        self._matcher.warn_once(key, message, stacklevel=3)
 
 
 def _unused_message(index: int, rule: QuantizationRule) -> str:

@@ -51,9 +51,13 @@ def empty() -> Stat:
 
 @partial(jax.jit, static_argnames=("calibration",))
 def observe(x: jax.Array, calibration: str) -> tuple[jax.Array, jax.Array]:
-    """The per-tensor calibrated range ``(lo, hi)`` of one batch, as float32 scalars."""
+    """The per-tensor calibrated range ``(lo, hi)`` of one batch, as float32 scalars.
+
+    A statistic: no gradient flows through it (calibrating a bf16 batch rounds a
+    scale with ``nextafter``, which has no derivative).
+    """
     how = qcore.HowToQuantize(qtype="int8", calibration=calibration, symmetric=False)
-    *_, lo, hi = qcore.calibrate(x, how)
+    *_, lo, hi = qcore.calibrate(jax.lax.stop_gradient(x), how)
     return lo.reshape(()), hi.reshape(())
 
 

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from qcore import numerics
-from qcore.qarray import QArray, _float_dtype, unpack
+from qcore.qarray import _FULL_PRECISION_SCALES, QArray, _float_dtype, unpack
 
 Array = jax.Array
 
@@ -72,11 +72,6 @@ class Operand:
         z = None if self.zero_point is None else expand(self.zero_point, v.shape)
         s = expand(self.scale, v.shape)
         return (v if z is None else v - z.astype(jnp.float32)) * s
-
-
-_FULL_PRECISION_SCALES = {
-    jnp.dtype(d) for d in (jnp.float32, jnp.float64, jnp.bfloat16, jnp.float16)
-}
 
 
 def result_dtype(q: QArray) -> np.dtype:
@@ -138,7 +133,11 @@ def preferred_dtype(preferred_element_type: Any) -> np.dtype | None:
 
 
 def as_input(x: object, name: str) -> Array | QArray:
-    """An op argument as a QArray or a JAX array; raises a clear error otherwise."""
+    """An op argument as a QArray or a JAX array; raises a clear error otherwise.
+
+    Float, integer and bool arrays are accepted; a bool or integer array times a
+    QArray gives the QArray's dtype (standard JAX promotion, as for plain arrays).
+    """
     if isinstance(x, QArray):
         return x
     try:
@@ -147,6 +146,9 @@ def as_input(x: object, name: str) -> Array | QArray:
         raise ValueError(
             f"{name} must be an array or a QArray, got {type(x).__name__} {x!r:.80}"
         ) from None
-    if not (jnp.issubdtype(arr.dtype, jnp.floating) or jnp.issubdtype(arr.dtype, jnp.integer)):
-        raise ValueError(f"{name} must be an array or a QArray, got dtype {arr.dtype}")
+    if not any(jnp.issubdtype(arr.dtype, kind) for kind in (jnp.floating, jnp.integer, jnp.bool_)):
+        raise ValueError(
+            f"{name} must be an array or a QArray, got dtype {arr.dtype}; allowed: float, "
+            "integer or bool arrays"
+        )
     return arr

@@ -17,21 +17,21 @@ variables that belong to them (static scales, statistics).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 import sys
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import flax.linen as nn
 import jax
 from flax import nnx
+from jax._src import core as _core
 
 from qflax._engine import layout, module_path
+from qflax._engine.flavor import Flavor, check_linen_trace
 from qflax.qparam import QuantizedParam, Transform, stand_in
-
-if TYPE_CHECKING:
-    from qflax._engine.flavor import Flavor
 
 
 class Mode(enum.Enum):
@@ -54,6 +54,8 @@ class Source:
         name: The parameter's name in its module.
         transforms: Reshapes/transposes applied between the read and the op (what
             becomes the recipe's ``transforms``).
+        trace: The JAX trace the parameter was read in, when the op runs in
+            another (inside a ``jax.checkpoint``); None when it is the same.
     """
 
     path: str
@@ -61,6 +63,7 @@ class Source:
     holder: Any
     name: str
     transforms: tuple[Transform, ...] = ()
+    trace: Any = None
 
 
 class CallContext:
@@ -77,6 +80,9 @@ class CallContext:
         self.mode = mode
         self.update_stats = update_stats
         self._values: dict[int, tuple[Any, Source]] = {}
+        # Values computed from a parameter in a way that cannot be followed (w * 1.0):
+        # id -> (value, the parameter's source, what was done to it).
+        self._derived: dict[int, tuple[Any, Source, str]] = {}
         self._counters: dict[int, tuple[Any, dict[str, int]]] = {}
         # DISCOVER results: param path -> recipe; module path -> site variables.
         self.recipes: dict[str, Any] = {}
@@ -120,27 +126,90 @@ class CallContext:
     # -- value handler -----------------------------------------------------------
     def __call__(self, name: str, original: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         """Runs a reported value read or transform and records what it returns."""
+        if name == "checkpoint":
+            return self._checkpoint(original(*args, **kwargs))
         out = original(*args, **kwargs)
-        if name == "linen_get_variable":
+        if name == "bind":
+            self._bind(args, out)
+        elif name == "linen_get_variable":
             scope, col, key = _linen_args(args, kwargs, ("col", "name"))
             return self._linen_read(scope, col, key, out)
-        if name == "linen_put_variable":
+        elif name == "linen_put_variable":
             scope, col, key, value = _linen_args(args, kwargs, ("col", "name", "value"))
             self._linen_read(scope, col, key, value)
-            return out
-        if name == "nnx_get_value":
+        elif name == "nnx_get_value":
             return self._nnx_read(args[0], out)
-        entry = self._values.get(id(args[0]))
-        if entry is not None and entry[0] is args[0]:
-            step: tuple[Transform, ...] = ()
-            if name == "reshape":
-                step = (("reshape", tuple(out.shape)),)
-            elif name == "transpose":
-                perm = args[1] if len(args) > 1 else kwargs["permutation"]
-                step = (("transpose", tuple(int(p) for p in perm)),)
-            src = entry[1]
-            self._keep(out, dataclasses.replace(src, transforms=src.transforms + step))
+        elif name == "transpose":
+            value, perm = args[0], (args[1] if len(args) > 1 else kwargs["permutation"])
+            self.follow(value, out, ("transpose", tuple(int(p) for p in perm)))
+        elif name in ("convert_element_type", "with_sharding_constraint"):
+            self.follow(args[0], out, None)
+        else:  # reshape, squeeze, expand_dims: the same values in another shape
+            same = tuple(out.shape) == tuple(getattr(args[0], "shape", ()))
+            self.follow(args[0], out, None if same else ("reshape", tuple(out.shape)))
         return out
+
+    def follow(self, value: Any, out: Any, step: Transform | None, trace: Any = None) -> None:
+        """Records ``out`` as ``value`` after ``step`` (a reshape, a transpose, or None).
+
+        ``trace``: the trace ``value`` lives in, when ``out`` is its tracer in another.
+        """
+        src = self.source(value)
+        if src is not None:
+            steps = src.transforms + ((step,) if step is not None else ())
+            self._keep(out, dataclasses.replace(src, transforms=steps, trace=src.trace or trace))
+            return
+        entry = self._derived.get(id(value))
+        if entry is not None and entry[0] is value:
+            self._derived[id(out)] = (out, entry[1], entry[2])
+
+    def taint(self, values: tuple, out: Any, how: str) -> None:
+        """Records ``out`` as computed from a parameter by ``how`` (not followed).
+
+        Only when ``values`` hold a parameter (or a value computed from one) and
+        nothing but other such values and scalars: ``w * 1.0`` and ``w * g`` stay
+        weights that an op may receive, ``x * scale`` (an activation) does not.
+        """
+        found = None
+        for v in values:
+            src = self.source(v)
+            mine = (src, how) if src is not None else self.derived(v)
+            if mine is not None:
+                found = found or mine
+            elif getattr(v, "ndim", 0) > 0:
+                return  # an activation (or a constant array) takes part
+        if found is None:
+            return
+        for o in out if isinstance(out, list | tuple) else (out,):
+            self._derived[id(o)] = (o, *found)
+
+    def derived(self, operand: Any) -> tuple[Source, str] | None:
+        """The parameter ``operand`` was computed from in a way not followed, and how."""
+        entry = self._derived.get(id(operand))
+        return (entry[1], entry[2]) if entry is not None and entry[0] is operand else None
+
+    def _bind(self, args: tuple, out: Any) -> None:
+        operands = args[1:]
+        if any(id(v) in self._values or id(v) in self._derived for v in operands):
+            self.taint(operands, out, args[0].name)
+
+    def _checkpoint(self, made: tuple[Callable[..., Any], Any]) -> tuple[Callable[..., Any], Any]:
+        """``jax.checkpoint``'s function, made to follow its arguments into its trace.
+
+        Each argument's tracer inside the checkpointed function is the argument
+        itself (by position) and is recorded so; a new function per call also keeps
+        JAX's trace cache of the checkpointed function from serving (or keeping) a
+        trace made outside this quantized call.
+        """
+        fun, outer = made
+        trace = _core.unsafe_get_current_trace()
+
+        def traced(*args: Any, **kwargs: Any) -> Any:
+            for o, i in zip(jax.tree.leaves(outer), jax.tree.leaves(args), strict=False):
+                self.follow(o, i, None, trace)
+            return fun(*args, **kwargs)
+
+        return traced, outer
 
     def _keep(self, value: Any, source: Source) -> None:
         self._values[id(value)] = (value, source)
@@ -161,6 +230,11 @@ class CallContext:
             return s
         if isinstance(value, jax.Array):
             self._keep(value, Source(path, value, scope, key))
+            inner = getattr(raw, "value", None) if boxed else None
+            if isinstance(inner, jax.Array):
+                # A param just created (put_variable) reaches the module unboxed by
+                # Scope.param: a sharding constraint of the boxed array, followed.
+                self._keep(inner, Source(path, inner, scope, key))
             return value
         return raw
 
@@ -180,6 +254,17 @@ class CallContext:
             return s
         self._keep(out, Source(path, out, var, attr))
         return out
+
+    @staticmethod
+    def in_read_trace(source: Source) -> contextlib.AbstractContextManager[Any]:
+        """A context that computes in the trace ``source`` was read in.
+
+        A param's quantized value is written to the params, so it must not be a
+        tracer of the ``jax.checkpoint`` the op runs in.
+        """
+        if source.trace is None:
+            return contextlib.nullcontext()
+        return _core.set_current_trace(source.trace)
 
     def read(self, value: Any) -> Any:
         """``value``, or, for an NNX variable passed to an op as it is, its recorded value."""
@@ -207,6 +292,8 @@ class CallContext:
     def write_param(self, source: Source, value: QuantizedParam) -> None:
         """Replaces a Linen parameter, in INIT/QUANTIZE mode (see :func:`box_leaves`)."""
         scope = source.holder
+        with self.in_read_trace(source):  # a weight followed into jax.checkpoint
+            check_linen_trace(scope, source.path)
         raw = scope.get_variable("params", source.name)
         if isinstance(raw, nn.meta.AxisMetadata):
             value = layout.box_leaves(raw, value)

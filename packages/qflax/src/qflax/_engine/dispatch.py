@@ -27,9 +27,9 @@ import jax
 import jax.numpy as jnp
 
 import qcore
-from qflax._engine import registry
+from qflax._engine import interception, opcall, registry
 from qflax._engine.context import CallContext, Source
-from qflax._engine.opcall import OpCall, TakeCall, bind
+from qflax._engine.opcall import OpCall, TakeCall, arguments, bind
 from qflax.rotation import Hadamard
 from qflax.rule import QuantizationRule, RuleMatcher
 
@@ -116,14 +116,31 @@ def handler(
     """The op handler of one call (see ``interception.intercept``) that feeds ``visitor``."""
 
     def handle(name: str, original: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        op = registry.get(name)
+        if op.split is not None and op.split(arguments(original, args, kwargs)):
+            return interception.run_inside(original, args, kwargs)
         site = classify(ctx, matcher, name, original, args, kwargs)
         if site is None:
-            return original(*args, **kwargs)
+            out = original(*args, **kwargs)
+            if op.lookup:
+                _follow_index(ctx, arguments(original, args, kwargs), out)
+            return out
         if isinstance(site, LookupSite):
             return visitor.visit_lookup(ctx, site)
         return visitor.visit_op(ctx, site)
 
     return handle
+
+
+def _follow_index(ctx: CallContext, a: dict[str, Any], out: Any) -> None:
+    """Indexing of a parameter left float: a reshape (``w[None]``) is followed, a slice noted."""
+    table, idx = a.get("arr"), a.get("idx")
+    if table is None or not isinstance(out, jax.Array):
+        return
+    if opcall.reshape_index(idx) and out.size == table.size:
+        ctx.follow(table, out, ("reshape", tuple(out.shape)))
+    elif opcall.static_index(idx):
+        ctx.taint((table,), out, "indexing")
 
 
 def classify(
@@ -171,11 +188,36 @@ def classify(
     if isinstance(call, TakeCall):
         return _lookup(ctx, base, call, rule)
     sources = (ctx.source(call.operands[0]), ctx.source(call.operands[1]))
+    if rule.weight_qtype is not None and sources == (None, None):
+        # With a followed weight on one side, a param-derived other operand is the
+        # op's activation (a learned query broadcast to the batch), not a lost weight.
+        for x in call.operands:
+            _warn_unfollowed(ctx, matcher, x, f"{path}/{site}" if path else site, rule)
     plans = (
         _plan(call, rule, 0, site, sources[0], path),
         _plan(call, rule, 1, site, sources[1], path),
     )
     return OpSite(**base, call=call, sources=sources, plans=plans)
+
+
+def _warn_unfollowed(
+    ctx: CallContext, matcher: RuleMatcher, operand: Any, where: str, rule: QuantizationRule
+) -> None:
+    """Warns, once per param and rule list, when ``operand`` is a param not followed to the op."""
+    found = ctx.derived(operand)
+    if found is None or not jnp.issubdtype(found[0].value.dtype, jnp.inexact):
+        return
+    source, how = found
+    fate = "quantized per call as an activation" if rule.act_qtype else "left float"
+    matcher.warn_once(
+        source.path,
+        f"param {source.path!r} reaches op site {where!r} through {how!r}, which qflax "
+        f"cannot follow, so the rule's weight_qtype={rule.weight_qtype!r} does not apply: it "
+        f"is stored float and {fate}. Pass the param to the op as read (casts, "
+        "transposes, reshapes, squeeze/expand_dims, indexing by None/.../: and "
+        "jax.checkpoint arguments are followed) and apply the transform to the op's "
+        "other operand or its output, or store the param already transformed",
+    )
 
 
 def _bind(
@@ -219,7 +261,7 @@ def _lookup(
             "lookup (jnp.take); give the lookup a rule without rotation"
         )
     table = call.table
-    spec = checked_spec(lambda: rule.lookup_spec(table.ndim, call.axis), table, source.path)
+    spec = checked_spec(lambda: rule.lookup_spec(table.shape, call.axis), table, source.path)
     return LookupSite(**base, call=call, plan=Weight(spec, source))
 
 
@@ -241,7 +283,7 @@ def _plan(
     if source is not None:
         if rule.weight_qtype is None or skips(rule, source):
             return None
-        spec = checked_spec(lambda: rule.weight_spec(x.ndim, call.contracting[i]), x, source.path)
+        spec = checked_spec(lambda: rule.weight_spec(x.shape, call.contracting[i]), x, source.path)
         if rule.rotation is not None:
             return Weight(spec, source, Hadamard(rule.rotation_seed, call.contracting[i][0]))
         return Weight(spec, source)

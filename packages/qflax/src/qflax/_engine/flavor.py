@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import flax.linen as nn
 import jax
 from flax import nnx
+from flax.core import tracers as flax_tracers
 
 from qflax._engine import module_path
 
@@ -97,6 +98,7 @@ class _Linen(Flavor):
     def put_var(
         self, ctx: CallContext, module: Any, path: str, collection: str, name: str, value: Any
     ) -> None:
+        check_linen_trace(module.scope, f"{path}/{name}" if path else name)
         module.scope.put_variable(collection, name, value)
 
     def make_rng(self, module: Any, collection: str) -> jax.Array:
@@ -173,6 +175,23 @@ class _Nnx(Flavor):
             return getattr(nnx.merge(graphdef, variables), method)(*args, **kwargs)
 
         return state, call
+
+
+def check_linen_trace(scope: Any, path: str) -> None:
+    """Checks that variable ``path`` of ``scope`` is written at the scope's own trace level.
+
+    Raises:
+        ValueError: When the write happens inside a JAX transform that the model
+            itself calls (``jax.lax.fori_loop``...): the value would leak its tracer.
+    """
+    if flax_tracers.current_trace() != scope.trace_level:
+        raise ValueError(
+            f"{path!r} is created or quantized inside a JAX transform that the model calls "
+            "(jax.lax.fori_loop, while_loop, scan, cond, jax.checkpoint...); Flax does not "
+            "allow this (the float model's init returns leaked tracers there too). Create the "
+            "module's params before the loop (call the module once outside it), or use a Flax "
+            "lifted transform (nn.scan, nn.while_loop, nn.remat, nn.cond)"
+        )
 
 
 LINEN: Flavor = _Linen()

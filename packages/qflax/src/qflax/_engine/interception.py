@@ -7,13 +7,19 @@ The contract::
 
 Inside the block, on the calling thread only, every call of a function that an
 op of :mod:`qflax._engine.registry` names (built in: ``lax.dot_general``,
-``jnp.einsum``, ``jnp.dot``, ``jnp.matmul`` (and so the ``@`` operator),
+``lax.dot``, ``jnp.einsum``, ``jnp.dot``, ``jnp.matmul`` (and so the ``@``
+operator), ``jnp.vecdot``,
 ``lax.conv_general_dilated``, ``lax.ragged_dot``, ``jnp.take`` and array indexing
 (``x[idx]``, ``x.at[idx].get()``; both reported as ``"take"``)) becomes
 ``handler(op_name, original, args, kwargs)``, whose return value is the op's
 result (``original(*args, **kwargs)`` runs the unmodified op). Ops called while a
 handler runs (e.g. the ``dot_general`` inside ``einsum``, or qcore's own ops) are
-not intercepted again, so each user-level op is seen once, under its own name.
+not intercepted again, so each user-level op is seen once, under its own name;
+neither are ops that qcore's code calls outside a handler (code a handler made
+that JAX traces later, such as a training op's ``custom_vjp`` rules under
+``jax.checkpoint``). qflax's own code is not exempt: it forwards model calls
+(the pairwise parts of a split einsum, a checkpointed function) whose ops must be
+seen.
 Other threads, code outside the block, and Pallas kernels (traced inside
 ``pallas_call``) run the unmodified ops.
 
@@ -26,11 +32,16 @@ A second, optional handler sees how values reach the ops::
 :data:`VALUE_NAMES`, the reads and writes of model variables (``linen_get_variable`` /
 ``linen_put_variable``: ``flax.core.scope.Scope.get_variable`` / ``put_variable``;
 ``nnx_get_value``:
-``nnx.Variable.get_value``) and the transforms a module applies to a weight
-before the op (``convert_element_type``, ``reshape``, ``transpose``), and returns
-their result. Providers use it to hand modules a stand-in for a quantized weight
-and to recognise that stand-in (cast or reshaped) when it reaches an op. Value
-calls made inside either handler are not reported.
+``nnx.Variable.get_value``), the transforms a module applies to a weight
+before the op (``convert_element_type``, ``reshape``, ``transpose``, ``squeeze``,
+``expand_dims``, ``with_sharding_constraint``: unboxing a partitioned param applies
+one), ``jax.checkpoint``'s call of its function (``checkpoint``:
+``_remat_static_argnums``, whose returned function is the one traced) and every
+other primitive applied (``bind``: ``Primitive.bind``), and returns their result.
+Providers use it to hand modules a stand-in for a quantized weight, to recognise
+that stand-in (cast or reshaped) when it reaches an op, and to warn when a weight
+reaches an op through a transform they cannot follow. Value calls made inside
+either handler are not reported.
 
 Blocks nest: inside an inner block (also one opened by a handler) its handlers
 replace the outer block's, which take over again when it ends.
@@ -47,7 +58,11 @@ trampolines are made once and reused by later blocks). ``jnp.matmul``,
 whose cached traces would skip any Python-level hook, so the block runs under
 ``jax.disable_jit()``: the wrappers' Python bodies run every time, while an outer
 ``jax.jit`` around the model call still compiles the whole model into one
-computation.
+computation. Two things keep that block from changing what the model does: Linen
+initializers (``Scope.param``/``Scope.variable``) run as outside it (jit enabled,
+nothing intercepted), and ``lax.scan``/``lax.while_loop`` run traced, as outside
+it, with only their bodies inside (under ``disable_jit`` JAX would run them as
+Python loops).
 """
 
 from __future__ import annotations
@@ -55,6 +70,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import sys
 import threading
 import types
 from collections.abc import Callable, Iterator
@@ -66,7 +82,10 @@ import numpy as np
 from flax import nnx
 from flax.core import scope as _scope
 from flax.typing import MISSING, Missing
+from jax._src import ad_checkpoint as _ad_checkpoint
+from jax._src import core as _core
 from jax._src.lax import lax as _lax
+from jax._src.lax.control_flow import loops as _loops
 
 from qflax._engine import registry
 
@@ -79,6 +98,11 @@ VALUE_NAMES: tuple[str, ...] = (
     "convert_element_type",
     "reshape",
     "transpose",
+    "with_sharding_constraint",
+    "squeeze",
+    "expand_dims",
+    "checkpoint",
+    "bind",
 )
 
 _DISPATCH = "__qflax_intercept__"
@@ -114,6 +138,15 @@ def _targets() -> list[tuple[str, types.FunctionType]]:
         ("convert_element_type", python_function(_lax._convert_element_type)),
         ("reshape", python_function(_lax.reshape)),
         ("transpose", python_function(_lax.transpose)),
+        ("with_sharding_constraint", python_function(jax.lax.with_sharding_constraint)),
+        (_PARAM, python_function(_scope.Scope.param)),
+        (_VARIABLE, python_function(_scope.Scope.variable)),
+        ("scan", python_function(_loops.scan)),
+        ("while_loop", python_function(_loops.while_loop)),
+        ("squeeze", python_function(_lax.squeeze)),
+        ("expand_dims", python_function(_lax.expand_dims)),
+        ("checkpoint", python_function(_ad_checkpoint._remat_static_argnums)),  # noqa: SLF001
+        ("bind", python_function(_core.Primitive.bind)),
     ]
     try:
         from jax._src.pallas import pallas_call as _pallas  # noqa: PLC0415 - optional
@@ -125,7 +158,21 @@ def _targets() -> list[tuple[str, types.FunctionType]]:
 # pallas_call is not an op: it is patched so that user kernels are traced with
 # interception suspended (a kernel's jnp.dot must stay the kernel's own).
 _PALLAS = "pallas_call"
+# Linen's Scope.param / Scope.variable are not ops either: they are patched so that
+# initializers run as they do outside quantized calls (jit enabled, nothing
+# intercepted), so a quantized init creates exactly ``model.init``'s float params
+# (initializers run under ``disable_jit`` differ in the last bit). The index is
+# that of ``init_fn`` in the arguments.
+_PARAM, _VARIABLE = "linen_param", "linen_variable"
+_INIT_FN = {_PARAM: 2, _VARIABLE: 3}
+# Loops run as they do outside quantized calls (traced: under ``disable_jit`` JAX runs
+# them as Python loops, which changes what a model does, e.g. the params Flax's
+# ``nn.scan`` creates at init), their bodies as inside (``disable_jit``,
+# intercepted). The indices are those of the functions in the arguments.
+_BODIES = {"scan": (0,), "while_loop": (0, 1)}
 _VALUES = frozenset(VALUE_NAMES)
+_JAX_PACKAGES = frozenset({"jax", "jaxlib"})
+_OWN_PACKAGES = frozenset({"qcore"})
 
 
 @contextlib.contextmanager
@@ -138,19 +185,33 @@ def _suspended() -> Iterator[None]:
         _state.busy = previous
 
 
-def _guard_kernel(kernel: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(kernel)
-    def traced_without_interception(*args: Any, **kwargs: Any) -> Any:
-        with _suspended():
-            return kernel(*args, **kwargs)
+def _guard(fn: Callable[..., Any] | None, *, enable_jit: bool = False) -> Any:
+    """``fn`` run with interception suspended (and jit enabled if ``enable_jit``)."""
+    if fn is None:  # Scope.variable without an initializer
+        return None
 
-    return traced_without_interception
+    @functools.wraps(fn)
+    def run_without_interception(*args: Any, **kwargs: Any) -> Any:
+        jit = jax.disable_jit(False) if enable_jit else contextlib.nullcontext()
+        with _suspended(), jit:
+            return fn(*args, **kwargs)
+
+    return run_without_interception
+
+
+def _disabling_jit(fn: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(fn)
+    def run_with_jit_disabled(*args: Any, **kwargs: Any) -> Any:
+        with jax.disable_jit():
+            return fn(*args, **kwargs)
+
+    return run_with_jit_disabled
 
 
 def _trampoline_code(f: types.FunctionType, index: int) -> types.CodeType:
     """A code object with ``f``'s signature that forwards to the dispatcher."""
     sig = inspect.signature(f)
-    params, positional, star, keywords = [], [], None, []
+    params, positional, star, keywords, double = [], [], None, [], None
     seen_kw_only = False
     for p in sig.parameters.values():
         if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
@@ -166,8 +227,9 @@ def _trampoline_code(f: types.FunctionType, index: int) -> types.CodeType:
                 seen_kw_only = True
             params.append(p.name)
             keywords.append(p.name)
-        else:
-            raise TypeError(f"cannot intercept {f.__qualname__}: it takes **{p.name}")
+        else:  # only qflax's own targets (Scope.param, Primitive.bind...): ops take none
+            params.append(f"**{p.name}")
+            double = p.name
     # Re-insert '/' after the positional-only parameters.
     n_pos_only = sum(p.kind is p.POSITIONAL_ONLY for p in sig.parameters.values())
     if n_pos_only:
@@ -175,7 +237,8 @@ def _trampoline_code(f: types.FunctionType, index: int) -> types.CodeType:
     args = "(" + "".join(f"{n}, " for n in positional) + ")"
     if star:
         args = f"({''.join(f'{n}, ' for n in positional)}*{star},)"
-    kwargs = "{" + ", ".join(f"{k!r}: {k}" for k in keywords) + "}"
+    entries = [f"{k!r}: {k}" for k in keywords] + ([f"**{double}"] if double else [])
+    kwargs = "{" + ", ".join(entries) + "}"
     body = f"    return {_DISPATCH}({index}, {args}, {kwargs})\n"
     src = f"def trampoline({', '.join(params)}):\n{body}"
     namespace: dict[str, Any] = {}
@@ -196,12 +259,30 @@ def _dispatch(index: int, args: tuple, kwargs: dict) -> Any:
     handler = getattr(_state, "handler", None)
     if handler is None or getattr(_state, "busy", False):
         return original(*args, **kwargs)
+    if _called_by_quantization():
+        with _suspended():
+            return original(*args, **kwargs)
     if name == _PALLAS:
-        return original(_guard_kernel(args[0]), *args[1:], **kwargs)
+        return original(_guard(args[0]), *args[1:], **kwargs)
+    if name in _BODIES:
+        loop_args = list(args)
+        for i in _BODIES[name]:
+            loop_args[i] = _disabling_jit(args[i])
+        with jax.disable_jit(False):
+            return original(*loop_args, **kwargs)
+    if name in _INIT_FN:
+        i = _INIT_FN[name]
+        return original(*args[:i], _guard(args[i], enable_jit=True), *args[i + 1 :], **kwargs)
     if name in _VALUES:
         handler = _state.values
         if handler is None:
             return original(*args, **kwargs)
+        if name == "bind":  # every primitive: no jit context switch on this hot path
+            _state.busy = True
+            try:
+                return handler(name, original, args, kwargs)
+            finally:
+                _state.busy = False
         if name == "nnx_get_value" and _indexed_read(args, kwargs):
             # ``variable[ids]``: the whole value is read (and reported), then indexed
             # outside the handlers, so that a lookup reaches the op handler as "take".
@@ -214,6 +295,40 @@ def _dispatch(index: int, args: tuple, kwargs: dict) -> Any:
             return handler(name, original, args, kwargs)
     finally:
         _state.busy = False
+
+
+def run_inside(original: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    """``original(*args, **kwargs)`` from an op handler, with the ops it calls intercepted.
+
+    For a call that is several ops rather than one (see ``OpDef.split``): the
+    registered ops and value transforms it calls reach this thread's handlers as if
+    the model had called them.
+    """
+    previous = getattr(_state, "busy", False)
+    _state.busy = False
+    try:
+        with jax.disable_jit():
+            return original(*args, **kwargs)
+    finally:
+        _state.busy = previous
+
+
+def _called_by_quantization() -> bool:
+    """Whether qcore's code made the call (JAX's frames skipped; see the module docstring).
+
+    Handlers run with interception suspended, but JAX may trace code a handler made
+    after the handler returned: the rules of a training op's ``custom_vjp`` are traced
+    when ``jax.checkpoint`` (``nn.remat``) or a jitted ``scan`` takes the JVP of its
+    body, still inside the block. Their ops (e.g. qcore's int8 × int8 contraction)
+    are the quantization's own computation, never the model's.
+    """
+    frame = sys._getframe(2)  # above _dispatch: the trampoline (a JAX function), its caller
+    while frame is not None:
+        package = frame.f_globals.get("__name__", "").partition(".")[0]
+        if package not in _JAX_PACKAGES:
+            return package in _OWN_PACKAGES
+        frame = frame.f_back
+    return False
 
 
 def _indexed_read(args: tuple, kwargs: dict) -> bool:

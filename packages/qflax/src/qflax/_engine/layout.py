@@ -12,6 +12,8 @@ quantized param (codes, scales) the partitioning metadata that fits its shape.
 from __future__ import annotations
 
 import dataclasses
+import math
+from collections.abc import Mapping
 from typing import Any, cast
 
 import qcore
@@ -78,14 +80,18 @@ def permutation(chain: tuple, ndim: int) -> tuple[int, ...] | None:
     return perm
 
 
-def leaf_axes(qp: QuantizedParam, axes: tuple[Any, ...]) -> dict[str, tuple[Any, ...]]:
+def leaf_axes(
+    qp: QuantizedParam, axes: tuple[Any, ...], mesh: Mapping[str, int] | None = None
+) -> dict[str, tuple[Any, ...]]:
     """Per-leaf partitioning of a quantized param whose float param had ``axes``.
 
     ``qvalue`` keeps the param's axes (a packed axis holds half as many bytes);
-    ``scale`` and ``zero_point`` keep them only along per-channel axes (where they
-    have the value's size) and are replicated along reduced or tiled ones. A param
-    the module reshaped before use is replicated: its axes do not map onto the
-    compute layout.
+    ``scale`` and ``zero_point`` keep them along per-channel and tiled axes (one
+    scale per channel or per tile) and are replicated along reduced ones (size 1),
+    as Qwix does. Given the ``mesh`` (axis name -> size), an axis whose scales do
+    not split evenly over its mesh axes (2 tiles on 4 devices) is replicated too.
+    A param the module reshaped before use is replicated: its axes do not map onto
+    the compute layout.
     """
     qa = qp.qarray
     lead = qa.ndim - len(qp.recipe.compute_shape())
@@ -94,15 +100,24 @@ def leaf_axes(qp: QuantizedParam, axes: tuple[Any, ...]) -> dict[str, tuple[Any,
             axes = (None,) * qa.ndim
         else:
             axes = tuple(axes[:lead]) + (None,) * (qa.ndim - lead)
-    per_channel = tuple(
-        a if s == d else None for a, s, d in zip(axes, qa.scale.shape, qa.shape, strict=True)
+    scaled = tuple(
+        a if s > 1 and _splits(s, a, mesh) else None
+        for a, s in zip(axes, qa.scale.shape, strict=True)
     )
     return {
         "qvalue": tuple(axes),
-        "scale": per_channel,
-        "zero_point": per_channel,
+        "scale": scaled,
+        "zero_point": scaled,
         "tensor_scale": (None,) * qa.ndim,
     }
+
+
+def _splits(size: int, name: Any, mesh: Mapping[str, int] | None) -> bool:
+    """Whether ``size`` entries split evenly over mesh axis (or axes) ``name``."""
+    if mesh is None or name is None:
+        return True
+    names = name if isinstance(name, tuple) else (name,)
+    return size % math.prod(mesh.get(n, 1) for n in names) == 0
 
 
 def box_leaves(box: Any, qp: QuantizedParam) -> Any:

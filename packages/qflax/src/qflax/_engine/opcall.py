@@ -4,10 +4,12 @@
 contraction: its two array operands, for each the axes it is contracted over (a
 weight gets one scale per remaining axis), and functions that run the op with
 qcore (operands may be QArrays) or with qcore's training ops) or a
-:class:`TakeCall` (a table lookup). ``jnp.dot`` / ``jnp.matmul`` / ``@`` become
-the equivalent two-operand einsum. Calls qflax does not quantize (more than two
-einsum operands, an ``out_sharding``, a ``group_offset``, 0-d operands, indexing
-by slices or masks) bind to None and run as they are.
+:class:`TakeCall` (a table lookup). ``jnp.dot`` / ``jnp.matmul`` / ``@`` /
+``jnp.vecdot`` become the equivalent two-operand einsum, ``lax.dot`` a
+``dot_general``. Calls qflax does not quantize (an ``out_sharding``, a
+``group_offset``, 0-d operands, complex ``vecdot``, indexing by slices or masks)
+bind to None and run as they are; an einsum of more than two operands is split
+(:func:`einsum_splits`) into the contractions it calls.
 
 The binders here are the built-in ops' entries of :mod:`qflax._engine.registry`.
 """
@@ -38,6 +40,8 @@ class OpCall:
         name: The op's registry name (see :func:`qflax.op_names`).
         operands: ``(lhs, rhs)``.
         contracting: Contracted axes of each operand.
+        batch: Batch axes of each operand (``dot_general``'s batch dimensions, an
+            einsum's letters in both operands and the output), paired in order.
         run: ``run(lhs, rhs)`` computes the op with qcore (QArrays allowed).
         train: ``train(lhs, rhs, config, key)`` computes it with qcore's training
             op for a :class:`qcore.TrainingQuant`.
@@ -50,6 +54,7 @@ class OpCall:
     run: Callable[[Any, Any], Array]
     train: Callable[[Array, Array, qcore.TrainingQuant, Array | None], Array]
     forward_float: Callable[[Array, Array], Array]
+    batch: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())
 
     @classmethod
     def from_einsum(cls, name: str, subscripts: str, lhs: Array, rhs: Array) -> OpCall | None:
@@ -128,12 +133,17 @@ def bind(
     None (the call runs as it is) for a call with an ``out_sharding`` or one the
     binder leaves float.
     """
-    bound = inspect.signature(original).bind(*args, **kwargs)
-    bound.apply_defaults()
-    a = dict(bound.arguments)
+    a = arguments(original, args, kwargs)
     if a.get("out_sharding") is not None:
         return None
     return binder(a)
+
+
+def arguments(original: Callable[..., Any], args: tuple, kwargs: dict) -> dict[str, Any]:
+    """The call's arguments by name (``original``'s signature), defaults included."""
+    bound = inspect.signature(original).bind(*args, **kwargs)
+    bound.apply_defaults()
+    return dict(bound.arguments)
 
 
 def _pet(a: dict) -> dict[str, Any]:
@@ -148,9 +158,14 @@ def _is_array(x: Any) -> bool:
 
 
 def dot_general(a: dict) -> OpCall | None:
+    """``lax.dot_general``, and ``lax.dot`` (whose dimension numbers may be left out)."""
     lhs, rhs, dn = a["lhs"], a["rhs"], a["dimension_numbers"]
     if not (_is_array(lhs) and _is_array(rhs)):
         return None
+    if dn is None:  # lax.dot's default: a matrix/vector product
+        if lhs.ndim > 2 or rhs.ndim > 2:
+            return None  # lax.dot raises
+        dn = (((lhs.ndim - 1,), (0,)), ((), ()))
     (lc, rc), (lb, rb) = dn
     lc, rc = tuple(int(i) % lhs.ndim for i in lc), tuple(int(i) % rhs.ndim for i in rc)
     kw = _pet(a)
@@ -165,6 +180,7 @@ def dot_general(a: dict) -> OpCall | None:
         lambda x, w: qcore.dot_general(x, w, dn, **kw),
         train,
         lambda x, w: lax.dot_general(x, w, dn, **kw),
+        (tuple(int(i) % lhs.ndim for i in lb), tuple(int(i) % rhs.ndim for i in rb)),
     )
 
 
@@ -177,6 +193,7 @@ def _einsum_call(name: str, subscripts: str, lhs: Array, rhs: Array, kw: dict) -
     if len(terms) != 2 or len(terms[0]) != lhs.ndim or len(terms[1]) != rhs.ndim:
         return None
     contracting = tuple(tuple(i for i, c in enumerate(t) if c not in out) for t in terms)
+    shared = [c for c in terms[0] if c in terms[1] and c in out]
 
     def train(x, w, config, key):
         return qcore.train_einsum(spec, x, w, config, key=key, **kw)
@@ -188,17 +205,61 @@ def _einsum_call(name: str, subscripts: str, lhs: Array, rhs: Array, kw: dict) -
         lambda x, w: qcore.einsum(spec, x, w, **kw),
         train,
         lambda x, w: jax.numpy.einsum(spec, x, w, **kw),
+        (tuple(terms[0].index(c) for c in shared), tuple(terms[1].index(c) for c in shared)),
     )
 
 
 def einsum(a: dict) -> OpCall | None:
-    subscripts, operands = a["subscripts"], a["operands"]
-    if not isinstance(subscripts, str) or len(operands) != 2:
+    """``jnp.einsum`` of two operands, with subscripts or in the sublist form."""
+    found = _einsum_operands(a)
+    if found is None:
+        return None
+    subscripts, operands = found
+    if len(operands) != 2:
         return None
     lhs, rhs = operands
     if not (_is_array(lhs) and _is_array(rhs)):
         return None
     return _einsum_call("einsum", _explicit(subscripts, lhs.ndim, rhs.ndim), lhs, rhs, _pet(a))
+
+
+def einsum_splits(a: dict) -> bool:
+    """Whether an einsum call has more than two operands (it is their pairwise contractions)."""
+    found = _einsum_operands(a)
+    return found is not None and len(found[1]) > 2
+
+
+# Sublist labels as letters, in the order of the labels (sorted, like numpy's output).
+_LABELS = string.ascii_uppercase + string.ascii_lowercase
+
+
+def _einsum_operands(a: dict) -> tuple[str, tuple[Any, ...]] | None:
+    """An einsum call's subscripts and operands; the sublist form becomes subscripts.
+
+    ``einsum(x, [0, 1], w, [1, 2], [0, 2])`` (as ``jnp.linalg.multi_dot`` calls it)
+    is ``einsum("AB,BC->AC", x, w)``. None for what cannot be read (labels that are
+    not small ints or ``...``).
+    """
+    first, rest = a["subscripts"], tuple(a["operands"])
+    if isinstance(first, str):
+        return first, rest
+    items = (first, *rest)
+    out = items[-1] if len(items) % 2 else None
+    items = items[: len(items) - len(items) % 2]
+    arrays, sublists = items[0::2], items[1::2]
+
+    def letters(labels: Any) -> str | None:
+        try:
+            return "".join("..." if i is Ellipsis else _LABELS[int(i)] for i in labels)
+        except (TypeError, ValueError, IndexError):
+            return None
+
+    terms = [letters(s) for s in sublists]
+    tail = None if out is None else letters(out)
+    if None in terms or (out is not None and tail is None):
+        return None
+    spec = ",".join(t for t in terms if t is not None)
+    return (spec if tail is None else f"{spec}->{tail}"), arrays
 
 
 def _explicit(subscripts: str, n_lhs: int, n_rhs: int) -> str:
@@ -256,6 +317,42 @@ def dot_like(name: str) -> Callable[[dict], OpCall | None]:
         return None if subscripts is None else _einsum_call(name, subscripts, x, y, _pet(a))
 
     return binder
+
+
+def vecdot(a: dict) -> OpCall | None:
+    """``jnp.vecdot`` / ``jnp.linalg.vecdot`` of real operands, as an einsum.
+
+    The other axes broadcast: right-aligned, equal axes are shared, an axis of size
+    1 facing a longer one is summed away (it holds one value), a missing axis is
+    the other operand's alone.
+    """
+    x, y = a["x1"], a["x2"]
+    if not (_is_array(x) and _is_array(y)):
+        return None
+    if jnp.iscomplexobj(x) or jnp.iscomplexobj(y):
+        return None  # vecdot conjugates x1
+    free = iter(c for c in string.ascii_letters if c != "z")
+    terms: list[list[str]] = [[], []]
+    out: list[str] = []
+    axes = [[i for i in range(v.ndim) if i != int(a["axis"]) % v.ndim] for v in (x, y)]
+    for k in range(1, max(map(len, axes)) + 1):
+        sizes = [v.shape[ax[-k]] if k <= len(ax) else None for v, ax in zip((x, y), axes)]  # noqa: B905
+        shared = next(free)
+        out.insert(0, shared)
+        for i, size in enumerate(sizes):
+            other = sizes[1 - i]
+            if size is None:
+                continue
+            if size == 1 and other not in (None, 1):
+                terms[i].insert(0, next(free))  # broadcast: summed over one value
+            elif size == other or other in (None, 1):
+                terms[i].insert(0, shared)
+            else:
+                return None  # shapes that do not broadcast: vecdot raises
+    for t, v in zip(terms, (x, y), strict=True):
+        t.insert(int(a["axis"]) % v.ndim, "z")
+    spec = f"{''.join(terms[0])},{''.join(terms[1])}->{''.join(out)}"
+    return _einsum_call("vecdot", spec, x, y, _pet(a))
 
 
 def conv(a: dict) -> OpCall | None:
@@ -346,6 +443,18 @@ def take(a: dict) -> TakeCall | None:
 
 _CLAMPING = (None, "clip", "promise_in_bounds")
 _FILLING = ("fill", "drop", "fill_or_drop")
+
+
+def reshape_index(idx: Any) -> bool:
+    """Whether indexing by ``idx`` only adds or keeps axes (``None``, ``...``, ``:``)."""
+    items = idx if isinstance(idx, tuple) else (idx,)
+    return all(i is None or i is Ellipsis or i == slice(None) for i in items)
+
+
+def static_index(idx: Any) -> bool:
+    """Whether ``idx`` holds no arrays (ints, slices, ``None``, ``...``)."""
+    items = idx if isinstance(idx, tuple) else (idx,)
+    return not any(isinstance(i, jax.Array | np.ndarray | list) for i in items)
 
 
 def _indexing_as_take(a: dict) -> tuple[Any, Any, int, str] | None:

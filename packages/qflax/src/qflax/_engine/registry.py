@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from jax._src.lax import convolution as _convolution
 from jax._src.lax import lax as _lax
 from jax._src.numpy import indexing as _indexing
+from jax._src.numpy import tensor_contractions as _contractions
 
 from qflax._engine import opcall
 from qflax._engine.opcall import OpCall, TakeCall
@@ -53,6 +54,10 @@ class OpDef:
         calibration: Whether :func:`qflax.layer_stats.collect` (GPTQ, AWQ,
             SmoothQuant) gathers input statistics for its weight.
         lora: Whether a :class:`~qflax.LoraRule` may adapt it.
+        split: Given the call's arguments by name, whether the call is several ops
+            rather than one (an einsum of three operands is its pairwise
+            contractions): it is then no site, and the ops it calls are intercepted
+            under their own names. None: every call is one op.
     """
 
     name: str
@@ -62,6 +67,7 @@ class OpDef:
     lookup: bool = False
     calibration: bool = False
     lora: bool = False
+    split: Callable[[dict[str, Any]], bool] | None = None
 
     def __post_init__(self) -> None:
         if not (isinstance(self.name, str) and self.name.isidentifier()):
@@ -69,6 +75,8 @@ class OpDef:
         for field in ("targets", "bind"):
             if not callable(getattr(self, field)):
                 raise ValueError(f"{field}={getattr(self, field)!r} is not callable")
+        if self.split is not None and not callable(self.split):
+            raise ValueError(f"split={self.split!r} is not allowed; allowed: a callable or None")
         if self.lookup and (self.lora or self.calibration):
             raise ValueError(
                 f"op {self.name!r}: lookup=True ops take no lora or calibration capability "
@@ -204,7 +212,7 @@ def names(
     Example:
         >>> import qflax
         >>> qflax.op_names(lora=True)
-        ('dot_general', 'einsum', 'dot', 'matmul', 'conv_general_dilated')
+        ('dot_general', 'einsum', 'dot', 'matmul', 'vecdot', 'conv_general_dilated')
     """
     want = {"default": default, "calibration": calibration, "lora": lora}
     return tuple(
@@ -214,15 +222,21 @@ def names(
     )
 
 
-def _builtin(name: str, target: Callable[[], tuple[Any, ...]], bind: Any, **caps: bool) -> None:
+def _builtin(name: str, target: Callable[[], tuple[Any, ...]], bind: Any, **caps: Any) -> None:
     register(OpDef(name=name, targets=target, bind=bind, **caps))
 
 
 _MATMUL = {"calibration": True, "lora": True}
-_builtin("dot_general", lambda: (_lax.dot_general,), opcall.dot_general, **_MATMUL)
-_builtin("einsum", lambda: (jnp.einsum,), opcall.einsum, **_MATMUL)
+# lax.dot is dot_general with default dimension numbers; jnp.tensordot, jnp.inner,
+# jnp.vdot, jnp.matvec and jnp.vecmat call lax.dot_general with the operands as
+# given (or transposed, reshaped: followed), so they need no entry of their own.
+_builtin("dot_general", lambda: (_lax.dot_general, _lax.dot), opcall.dot_general, **_MATMUL)
+# An einsum of more than two operands (jnp.linalg.multi_dot's) is its pairwise
+# dot_generals.
+_builtin("einsum", lambda: (jnp.einsum,), opcall.einsum, split=opcall.einsum_splits, **_MATMUL)
 _builtin("dot", lambda: (jnp.dot,), opcall.dot_like("dot"), **_MATMUL)
 _builtin("matmul", lambda: (jnp.matmul,), opcall.dot_like("matmul"), **_MATMUL)
+_builtin("vecdot", lambda: (_contractions.vecdot,), opcall.vecdot, **_MATMUL)
 _builtin(
     "conv_general_dilated", lambda: (_convolution.conv_general_dilated,), opcall.conv, lora=True
 )

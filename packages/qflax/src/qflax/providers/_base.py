@@ -120,10 +120,13 @@ def batch_scale(x: jax.Array, plan: Activation) -> jax.Array:
 
 
 def static_quantize(x: jax.Array, qtype: str, scale: jax.Array) -> qcore.QArray:
-    """``x`` quantized with one stored scale for the whole tensor."""
-    return qcore.quantize_with_scale_zero_point(
-        x, qtype, scale.astype(jnp.float32).reshape((1,) * x.ndim)
-    )
+    """``x`` quantized with one stored scale for the whole tensor, in ``x``'s dtype.
+
+    The codes come from the float32 scale; the QArray then takes ``x``'s dtype (its
+    scale too), so the op's result keeps the model's dtype as with dynamic scales.
+    """
+    scale = scale.astype(jnp.float32).reshape((1,) * x.ndim)
+    return qcore.quantize_with_scale_zero_point(x, qtype, scale).astype(x.dtype)
 
 
 class SiteVars:

@@ -3,9 +3,14 @@
 A :class:`LoraRule` selects ops like a :class:`~qflax.QuantizationRule` and adds,
 for each selected op whose one operand is a model parameter (the *weight* ``W``),
 two trainable factors ``A`` (``in_features x rank``) and ``B``
-(``rank x out_features``), where ``in_features`` is the product of the weight's
-contracted axes and ``out_features`` the product of its other axes. The op then
-computes::
+(``rank x out_axes``), where ``in_features`` is the product of the weight's
+contracted axes and ``out_axes`` are its other axes (kept as axes, so ``B`` of a
+``(d, heads, head_dim)`` einsum weight is ``(rank, heads, head_dim)``; the
+initializer draws ``B`` as ``rank x out_features``, ``out_features`` their
+product). A weight with batch axes (``dot_general`` batch dimensions, an einsum
+letter in both operands and the output: one weight per expert) gets one pair per
+batch index: ``A`` is ``(*batch, in_features, rank)`` and ``B``
+``(*batch, rank, *out_axes)``. The op then computes::
 
     y = op(x, W) + op(dropout(x), reshape(A @ B)) * alpha / rank
 
@@ -24,16 +29,22 @@ Where the factors live:
   op site (``dot_general0_lora_a``, ``dot_general0_lora_b``); :func:`split_params`
   separates them from the frozen params for ``jax.grad`` and optax. Boxed base
   weights (``nn.with_partitioning`` / ``nn.with_logical_partitioning``) give boxed
-  factors: ``A`` gets the base's input axis name and ``None``, ``B`` ``None`` and
-  the output axis name. Dropout is active when the call has the ``dropout`` RNG
-  stream (``rngs={"dropout": key}``; the name is ``LoraProvider(rng_collection=)``).
-* NNX: as :class:`LoraParam` variables (a subclass of ``nnx.Param``) added to the
+  factors (axis names below). Dropout is active when the call has the ``dropout``
+  RNG stream (``rngs={"dropout": key}``; the name is ``LoraProvider(rng_collection=)``).
+* NNX: as :class:`LoraParam` variables (a subclass of ``nnx.LoRAParam``) added to the
   module that holds the weight, so ``nnx.Optimizer(model, tx, wrt=LoraParam)`` and
   ``nnx.DiffState(0, LoraParam)`` select them. Stacked layers (``nnx.vmap``) get
-  stacked factors. Dropout is an ``nnx.Dropout`` added next to the factors
+  stacked factors. A weight on a mesh gives factors placed on it, and a weight
+  with ``out_sharding`` metadata gives factors with theirs. Dropout is an
+  ``nnx.Dropout`` added next to the factors
   (``dot_general0_lora_dropout``): active by default, off after ``model.eval()``
   and on again after ``model.train()``, as for any NNX dropout (not available for
   stacked layers yet).
+
+Partitioning of the factors, as in Qwix: batch and output axes keep the weight's
+axis names; ``A``'s flat input axis takes the name of the first contracted axis
+and its rank axis is ``None``; ``B``'s rank axis is ``None``. A weight the module
+reshapes before the op gives replicated factors.
 
 Example:
     >>> import flax.linen as nn, jax, jax.numpy as jnp
@@ -66,6 +77,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, traverse_util
 from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from qflax._engine import module_path, registry
 from qflax._engine.context import CallContext, Source
@@ -86,8 +99,12 @@ _HE_UNIFORM: Initializer = nn.initializers.he_uniform()
 _ZEROS: Initializer = nn.initializers.zeros_init()
 
 
-class LoraParam(nnx.Param):
-    """An NNX LoRA factor (``A`` or ``B``): filter with it to train only the adapters."""
+class LoraParam(nnx.LoRAParam):
+    """An NNX LoRA factor (``A`` or ``B``): filter with it to train only the adapters.
+
+    A subclass of flax's ``nnx.LoRAParam`` (the type Qwix creates), so filters
+    written for either select the factors.
+    """
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -168,11 +185,16 @@ class LoraRule(QuantizationRule):
 
 @dataclasses.dataclass(frozen=True)
 class _Layout:
-    """How the flat factors ``A`` (in x r) and ``B`` (r x out) map onto the weight."""
+    """How ``A`` (``*batch, in, rank``) and ``B`` (``*batch, rank, *out_axes``) map onto the weight.
+
+    ``in`` flattens the weight's contracted axes; ``B`` keeps the weight's output
+    axes, and each index of its batch axes (experts) has its own pair of factors.
+    """
 
     shape: tuple[int, ...]  # the weight as the op sees it
     contracting: tuple[int, ...]
-    free: tuple[int, ...]
+    free: tuple[int, ...]  # output axes: neither contracted nor batch
+    batch: tuple[int, ...] = ()
 
     @property
     def in_features(self) -> int:
@@ -182,11 +204,41 @@ class _Layout:
     def out_features(self) -> int:
         return math.prod(self.shape[a] for a in self.free)
 
+    def factor_shapes(self, rank: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """The shapes of ``A`` and ``B``."""
+        lead = tuple(self.shape[a] for a in self.batch)
+        return (*lead, self.in_features, rank), (*lead, rank, *(self.shape[a] for a in self.free))
+
+    def init(self, which: int, init: Initializer, key: jax.Array, rank: int, dtype: Any) -> Any:
+        """Factor ``which`` (0: ``A``, 1: ``B``), drawn as ``(in, rank)`` / ``(rank, out)``.
+
+        The initializer sees the flat 2-D shape (so fans are ``in`` and ``out``),
+        once per batch index.
+        """
+        flat = (self.in_features, rank) if which == 0 else (rank, self.out_features)
+        shape = self.factor_shapes(rank)[which]
+        if not self.batch:
+            return init(key, flat, dtype).reshape(shape)
+        keys = jax.random.split(key, math.prod(self.shape[a] for a in self.batch))
+        return jax.vmap(lambda k: init(k, flat, dtype))(keys).reshape(shape)
+
     def delta(self, a: jax.Array, b: jax.Array) -> jax.Array:
-        """``A @ B`` in the weight's layout."""
-        order = self.contracting + self.free
-        d = (a @ b).reshape(tuple(self.shape[i] for i in order))
+        """``A @ B`` (per batch index) in the weight's layout."""
+        nb = len(self.batch)
+        d = a @ b.reshape(b.shape[: nb + 1] + (self.out_features,))
+        order = self.batch + self.contracting + self.free
+        d = d.reshape(tuple(self.shape[i] for i in order))
         return jnp.transpose(d, tuple(int(i) for i in np.argsort(order)))
+
+    def axis_names(self, names: Sequence[Any]) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+        """Partitioning of ``A`` and ``B`` for a weight partitioned as ``names``.
+
+        Batch and output axes keep their names; ``A``'s flat input axis takes the
+        first contracted axis's name (its blocks stay contiguous), as Qwix does.
+        """
+        lead = tuple(names[a] for a in self.batch)
+        a_in = names[self.contracting[0]] if self.contracting else None
+        return (*lead, a_in, None), (*lead, None, *(names[a] for a in self.free))
 
 
 class LoraProvider(Provider):
@@ -289,9 +341,9 @@ class LoraProvider(Provider):
         w, x = call.operands[wi], call.operands[1 - wi]
         source = site.sources[wi]
         assert source is not None
-        contracting = call.contracting[wi]
-        free = tuple(i for i in range(w.ndim) if i not in contracting)
-        layout = _Layout(tuple(w.shape), contracting, free)
+        contracting, batch = call.contracting[wi], call.batch[wi]
+        free = tuple(i for i in range(w.ndim) if i not in contracting + batch)
+        layout = _Layout(tuple(w.shape), contracting, free, batch)
         limit = min(layout.in_features, layout.out_features)
         if rule.rank > limit:
             raise ValueError(
@@ -338,7 +390,7 @@ class LoraProvider(Provider):
     ) -> tuple[jax.Array, jax.Array]:
         module, where = site.module, site.where
         names = (f"{site.name}_lora_a", f"{site.name}_lora_b")
-        shapes = ((layout.in_features, rule.rank), (rule.rank, layout.out_features))
+        shapes = layout.factor_shapes(rule.rank)
         if ctx.flavor is LINEN:
             return self._linen_factors(ctx, rule, module, names, shapes, source, layout, where)
         if ctx.discovering:
@@ -372,7 +424,7 @@ class LoraProvider(Provider):
         rule: LoraRule,
         module: Any,
         names: tuple[str, str],
-        shapes: tuple[tuple[int, int], tuple[int, int]],
+        shapes: tuple[tuple[int, ...], tuple[int, ...]],
         source: Source,
         layout: _Layout,
         where: str,
@@ -390,8 +442,8 @@ class LoraProvider(Provider):
                 f"creating LoRA params {where}_lora_a/_lora_b needs the 'params' RNG stream"
             )
         dtype = jnp.dtype(_float_dtype(source.value))
-        a = rule.a_initializer(scope.make_rng("params"), shapes[0], dtype)
-        b = rule.b_initializer(scope.make_rng("params"), shapes[1], dtype)
+        a = layout.init(0, rule.a_initializer, scope.make_rng("params"), rule.rank, dtype)
+        b = layout.init(1, rule.b_initializer, scope.make_rng("params"), rule.rank, dtype)
         box = _linen_box(source)
         axes = _factor_axes(box, source, layout)
         for n, v, ax in zip(names, (a, b), axes, strict=True):
@@ -438,13 +490,11 @@ def _linen_box(source: Source) -> Any:
 
 
 def _factor_axes(box: Any, source: Source, layout: _Layout) -> tuple[Any, Any]:
-    """Axis names of ``A`` and ``B``: the weight's input / output axis, else None."""
+    """Axis names of ``A`` and ``B`` from the weight's (None where it has none)."""
     names = getattr(box, "names", None)
     if names is None or source.transforms or len(names) != len(layout.shape):
-        return (None, None), (None, None)
-    a_in = names[layout.contracting[0]] if len(layout.contracting) == 1 else None
-    b_out = names[layout.free[0]] if len(layout.free) == 1 else None
-    return (a_in, None), (None, b_out)
+        names = (None,) * len(layout.shape)
+    return layout.axis_names(names)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -453,7 +503,7 @@ class _Adapter:
 
     rule: LoraRule
     names: tuple[str, str]
-    shapes: tuple[tuple[int, int], tuple[int, int]]
+    shapes: tuple[tuple[int, ...], tuple[int, ...]]
     path: str  # of the weight
     transformed: bool  # the op sees the weight through a transform (no sharding then)
     ndim: int  # of one layer's weight
@@ -464,25 +514,26 @@ class _Adapter:
 def _create_nnx(seed: int, model: nnx.Module, req: _Adapter) -> list[tuple[Any, str, Any]]:
     """The factors (and dropout) of ``req`` for the module holding the weight.
 
-    Stacked like the weight (``nnx.vmap``'d layers get stacked factors) and, for a
-    weight on a mesh, sharded like it.
+    Stacked like the weight (``nnx.vmap``'d layers get stacked factors). For a
+    weight with partitioning metadata (``out_sharding``) the factors get the
+    matching metadata (:meth:`_Layout.axis_names`), and for a weight on a mesh
+    they are placed with the matching sharding.
     """
-    rule, names, shapes, layout = req.rule, req.names, req.shapes, req.layout
+    rule, names, layout = req.rule, req.names, req.layout
     module_name, _, attr = req.path.rpartition("/")
     real = module_path.find_nnx(model, module_name)
     if all(isinstance(getattr(real, n, None), LoraParam) for n in names):
         return []
-    raw = getattr(real, attr).get_raw_value()
+    var = getattr(real, attr)
+    raw = var.get_raw_value()
     per_layer = len(raw.recipe.shape) if isinstance(raw, QuantizedParam) else req.ndim
     full = tuple(raw.shape)
     lead = full[: len(full) - per_layer]
     dtype = jnp.dtype(_float_dtype(raw))
     sharding = getattr(raw, "sharding", None) if isinstance(raw, jax.Array) else None
-    spec = None
-    mesh = None
-    if isinstance(sharding, jax.sharding.NamedSharding) and not req.transformed:
-        mesh = sharding.mesh
-        spec = tuple(sharding.spec) + (None,) * (len(full) - len(sharding.spec))
+    mapped = not req.transformed and len(layout.shape) == per_layer
+    placed = _full_names(sharding.spec if isinstance(sharding, NamedSharding) else None, full)
+    declared = _full_names(var.get_metadata().get("out_sharding"), full)
     if rule.dropout > 0 and lead:
         raise ValueError(
             f"{req.where}: dropout={rule.dropout} on stacked NNX layers (nnx.vmap / nnx.scan) "
@@ -494,24 +545,30 @@ def _create_nnx(seed: int, model: nnx.Module, req: _Adapter) -> list[tuple[Any, 
         rngs = nnx.Rngs(dropout=jax.random.fold_in(key, 2))
         site = names[0].removesuffix("_lora_a")
         out.append((real, f"{site}_lora_dropout", nnx.Dropout(rule.dropout, rngs=rngs)))
-    for i, (n, shape, init) in enumerate(
-        zip(names, shapes, (rule.a_initializer, rule.b_initializer), strict=True)
+    for i, (n, init) in enumerate(
+        zip(names, (rule.a_initializer, rule.b_initializer), strict=True)
     ):
         keys = jax.random.split(jax.random.fold_in(key, i), math.prod(lead))
-        value = jax.vmap(lambda k, s=shape, f=init: f(k, s, dtype))(keys)
-        value = value.reshape(lead + shape)
-        if spec is not None and mesh is not None and len(layout.shape) == per_layer:
-            axes = _nnx_axes(spec[len(lead) :], layout, i)
-            ps = jax.sharding.PartitionSpec(*spec[: len(lead)], *axes)
-            value = jax.device_put(value, jax.sharding.NamedSharding(mesh, ps))
-        out.append((real, n, LoraParam(value)))
+        value = jax.vmap(lambda k, i=i, f=init: layout.init(i, f, k, rule.rank, dtype))(keys)
+        value = value.reshape(lead + req.shapes[i])
+        if mapped and placed is not None and isinstance(sharding, NamedSharding):
+            spec = P(*placed[: len(lead)], *layout.axis_names(placed[len(lead) :])[i])
+            value = jax.device_put(value, NamedSharding(sharding.mesh, spec))
+        param = LoraParam(value)
+        if mapped and declared is not None:
+            param.set_metadata(
+                "out_sharding", declared[: len(lead)] + layout.axis_names(declared[len(lead) :])[i]
+            )
+        out.append((real, n, param))
     return out
 
 
-def _nnx_axes(spec: tuple[Any, ...], layout: _Layout, which: int) -> tuple[Any, Any]:
-    a_in = spec[layout.contracting[0]] if len(layout.contracting) == 1 else None
-    b_out = spec[layout.free[0]] if len(layout.free) == 1 else None
-    return (a_in, None) if which == 0 else (None, b_out)
+def _full_names(spec: Any, shape: tuple[int, ...]) -> tuple[Any, ...] | None:
+    """A partition spec (or names tuple) padded with None to ``shape``'s rank; None if absent."""
+    if spec is None:
+        return None
+    spec = tuple(spec)
+    return spec + (None,) * (len(shape) - len(spec))
 
 
 # -- Linen params ----------------------------------------------------------------------

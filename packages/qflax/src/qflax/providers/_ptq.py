@@ -153,7 +153,8 @@ class PtqProvider(Provider):
             return written.qarray.transpose(*shared_view(written.recipe, recipe, source.path))
         if not ctx.discovering:  # NNX conversion checks them itself
             check_finite_weight(source.value, source.path)  # raises only for concrete values
-        qp = quantize_param(source.value, recipe)
+        with ctx.in_read_trace(source):
+            qp = quantize_param(source.value, recipe)
         if ctx.discovering:
             known = ctx.record_recipe(source.path, recipe)
             if known != recipe:
