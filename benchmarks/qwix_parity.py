@@ -8,8 +8,8 @@ Run with Qwix installed (never part of the default test run), from the repositor
 It writes ``packages/qcore/tests/fixtures/qwix_parity.json``: the codes, scales and zero points
 Qwix's ``quantize`` gives for ``"fixed,..."`` calibration strings, the scale shapes and
 tile shapes of its QArray after ``None`` indexing, ``mT`` and ``swapaxes``, and the
-result of a bool operand times a quantized weight. The inputs are written down here
-(no PRNG), so qcore's test rebuilds them exactly.
+codes of a quantized weight and the result of a bool operand times it. The inputs are
+written down here (no PRNG), so qcore's test rebuilds them exactly.
 """
 
 import importlib.metadata
@@ -103,7 +103,8 @@ def bool_operand():
             "einsum": np.asarray(ye, np.float64).tolist(),
             "dtype": str(y.dtype),
         }
-    return {"mask": mask.tolist(), "results": out}
+    codes = {"qvalue": np.asarray(qw.qvalue).tolist(), "scale": np.asarray(qw.scale).tolist()}
+    return {"mask": mask.tolist(), "weight": codes, "results": out}
 
 
 def main():

@@ -65,6 +65,77 @@ def test_w8a8_kernel_matches_the_float64_product(name, m):
     assert float(np.max(np.abs(y - ref)) / np.max(np.abs(ref))) < 1e-6
 
 
+# Flax einsum weights: (d, heads, head_dim) contracting d ("kn"), (heads, head_dim, d)
+# contracting both leading axes ("kn"), (heads, head_dim, d) contracting d ("nk").
+EINSUM_WEIGHTS = {
+    "dhk,d": ((64, 4, 16), (0,)),
+    "hkd,hk": ((4, 16, 64), (0, 1)),
+    "hkd,d": ((4, 16, 64), (2,)),
+}
+
+
+@pytest.mark.parametrize("act", ["float", "int8"])
+@pytest.mark.parametrize("m", [1, 7])
+@pytest.mark.parametrize("name", list(EINSUM_WEIGHTS))
+def test_weights_with_more_axes_take_the_kernels(name, m, act):
+    shape, contracting = EINSUM_WEIGHTS[name]
+    free = tuple(a for a in range(3) if a not in contracting)
+    w = jax.random.normal(jax.random.key(3), shape)
+    q = qcore.quantize(w, qcore.HowToQuantize(qtype="int8", channelwise_axes=free))
+    k_shape = tuple(shape[a] for a in contracting)
+    x = jax.random.normal(jax.random.key(m), (2, m, *k_shape))
+    if act == "int8":
+        x = qcore.quantize(x, qcore.HowToQuantize(qtype="int8", channelwise_axes=(0, 1)))
+    lc = tuple(range(2, 2 + len(contracting)))
+    dims = ((lc, contracting), ((), ()))
+    assert kernels.fast_dot_general(x, q, dims, None) is not None
+    y = qcore.dot_general(x, q, dims)
+    x64 = np.asarray(qcore.dequantize(x) if act == "int8" else x, np.float64)
+    ref = np.tensordot(x64, np.asarray(qcore.dequantize(q), np.float64), (lc, contracting))
+    assert y.shape == ref.shape == (2, m, *(shape[a] for a in free))
+    assert float(np.max(np.abs(y - ref)) / np.max(np.abs(ref))) < 1e-6
+
+
+def test_weights_the_reshape_cannot_flatten_use_the_general_path():
+    w = jax.random.normal(jax.random.key(3), (4, 64, 16))  # contracted axis in the middle
+    q = qcore.quantize(w, qcore.HowToQuantize(qtype="int8", channelwise_axes=(0, 2)))
+    x = jax.random.normal(jax.random.key(4), (3, 64))
+    dims = (((1,), (1,)), ((), ()))
+    assert kernels.fast_dot_general(x, q, dims, None) is None
+    # one scale per head, shared by head_dim: not one per output element
+    q2 = qcore.quantize(
+        jax.random.normal(jax.random.key(5), (64, 4, 16)),
+        qcore.HowToQuantize(qtype="int8", channelwise_axes=(1,)),
+    )
+    dims2 = (((1,), (0,)), ((), ()))
+    assert kernels.fast_dot_general(x, q2, dims2, None) is None
+    for w, d in ((q, dims), (q2, dims2)):
+        ref = np.tensordot(
+            np.asarray(x, np.float64), np.asarray(qcore.dequantize(w), np.float64), d[0]
+        )
+        y = qcore.dot_general(x, w, d)
+        assert float(np.max(np.abs(y - ref)) / np.max(np.abs(ref))) < 1e-5
+
+
+@pytest.mark.parametrize("n", [1024, 2048])
+def test_w8a8_batch_one_kn_is_exact_on_both_sides_of_the_int8_gemm_limit(n):
+    # Up to 2**22 weight elements one int8 GEMM, above it f32 blocks.
+    k = 4096
+    assert (k * n <= kernels._W8A8_KN_INT8_MAX_WEIGHT) == (n == 1024)
+    w = qcore.quantize(
+        jax.random.normal(jax.random.key(6), (k, n)),
+        qcore.HowToQuantize(qtype="int8", channelwise_axes=(1,)),
+    )
+    x = qcore.quantize(
+        jax.random.normal(jax.random.key(7), (1, k)),
+        qcore.HowToQuantize(qtype="int8", channelwise_axes=(0,)),
+    )
+    codes = np.asarray(x.qvalue, np.int64) @ np.asarray(w.qvalue, np.int64)  # exact
+    ref = codes * np.asarray(x.scale, np.float64) * np.asarray(w.scale, np.float64)
+    y = kernels.fast_dot_general(x, w, (((1,), (0,)), ((), ())), None)
+    np.testing.assert_allclose(np.asarray(y, np.float64), ref, rtol=3e-7)
+
+
 def test_layouts_the_kernels_do_not_take_use_the_general_path():
     x = jax.random.normal(jax.random.key(1), (4, K))
     dims = (((1,), (0,)), ((), ()))

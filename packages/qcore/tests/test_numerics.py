@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import qcore
 from qcore import numerics, qtypes
 
 
@@ -55,6 +56,24 @@ def test_int8_closed_form_round_and_saturate():
     np.testing.assert_array_equal(
         numerics.encode(v, int8, rounding="away_from_zero"), [1, 4, -128, 127, -128]
     )
+
+
+@pytest.mark.parametrize("qtype", ["int8", "int4", "int16"])
+@pytest.mark.parametrize("rounding", ["nearest_even", "away_from_zero"])
+def test_minus_bound_gets_qmin_whatever_the_bounds_last_bits(qtype, rounding):
+    # A block [bound, -bound] maps -bound to the tie qmin + 0.5 up to float32 rounding;
+    # over 512 consecutive bounds float32 landed on either side (issue 20: eager and
+    # jit then disagreed). The codes are qmax and qmin for every bound.
+    qt = qtypes.get(qtype)
+    bounds = np.float32(1.0) + np.arange(512, dtype=np.float32) * np.float32(2**-23)
+    x = jnp.asarray(np.stack([bounds, -bounds], 1))
+    how = qcore.HowToQuantize(qtype=qtype, channelwise_axes=(0,), rounding=rounding)
+    codes = np.asarray(qcore.quantize(x, how).qvalue, np.int64)
+    np.testing.assert_array_equal(codes[:, 0], qt.qmax)
+    np.testing.assert_array_equal(codes[:, 1], qt.qmin)
+    # Only values within 32 ulps of the tie move: a quarter step above it rounds up.
+    v = jnp.asarray([qt.qmin + 0.5, qt.qmin + 0.5 + 0.25], jnp.float32)
+    np.testing.assert_array_equal(numerics.encode(v, qt, rounding=rounding), [qt.qmin, qt.qmin + 1])
 
 
 def test_non_finite_values_saturate_and_nan_is_zero():

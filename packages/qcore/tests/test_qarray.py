@@ -285,6 +285,24 @@ def test_jit_equals_eager(how):
     np.testing.assert_array_equal(dequantize(eager), jax.jit(dequantize)(jitted))
 
 
+def test_bf16_values_made_in_the_same_jit_quantize_as_eagerly():
+    # XLA computes bf16 arithmetic in float32 and may skip the rounding to bf16
+    # between ops under jit (excess precision): the quantizer then saw other values
+    # than the bf16 array holds, and a bf16 model's jitted init differed from its
+    # eager one (issue 20). Before the fix 5845 codes and 128 scales differed here.
+    how = HowToQuantize(qtype="int8", channelwise_axes=(1,))
+    x = jnp.arange(128 * 128, dtype=jnp.float32).reshape(128, 128)
+
+    def run(x):
+        w = jnp.sin(x * 0.37).astype(jnp.bfloat16) * jnp.bfloat16(0.2) + jnp.bfloat16(0.01)
+        q = quantize(w, how)
+        fq = qcore.fake_quant(w, how)
+        return q.qvalue, q.scale, fq, qcore.fake_quant_with_scale(w, "int8", q.scale)
+
+    for a, b in zip(jax.jit(run)(x), run(x), strict=True):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
 def test_vmap_and_tree_map():
     how = HowToQuantize(qtype="int8", channelwise_axes=(1,))
     xs = jax.random.normal(jax.random.key(2), (5, 16, 4))
@@ -606,3 +624,30 @@ def test_stochastic_rounding_is_unbiased_through_quantize():
     # Scale 1: each code is 0 or 1 with P(1) = 0.3; std of the mean 0.0015.
     assert set(np.unique(np.asarray(q.qvalue))) == {0, 1}
     assert abs(float(jnp.mean(dequantize(q))) - 0.3) < 0.008
+
+
+@pytest.mark.parametrize("qtype", ["int8", "int4", "uint8"])
+def test_integer_quantize_compiles_without_a_branch(qtype):
+    # One lax.cond per quantize (exact division only for scales above 2**64) put two
+    # compiled branches in every activation quantization of a w8a8 model.
+    x = jnp.ones((4, 64))
+    hlo = jax.jit(lambda x: quantize(x, HowToQuantize(qtype=qtype, channelwise_axes=(0,))))
+    text = hlo.lower(x).as_text()
+    assert "stablehlo.case" not in text and "stablehlo.if" not in text
+
+
+@pytest.mark.parametrize("qtype", ["int8", "int4"])
+def test_codes_match_float64_on_both_sides_of_huge_scales(qtype):
+    # Rows whose scale is below and above 2**64 in one array: every code is the
+    # float64 rounding of value / scale (scales as returned), clipped to the range;
+    # a row's -bound gets qmin (test_negative_bound_gets_the_lowest_code...).
+    qt = qtypes.get(qtype)
+    rng = np.random.default_rng(3)
+    mags = np.array([1e-3, 1.0, 1e23, 1e30, 1e37])[:, None]
+    x = (rng.standard_normal((5, 33)) * mags).astype(np.float32)
+    q = quantize(x, HowToQuantize(qtype=qtype, channelwise_axes=(0,)))
+    scale = np.asarray(q.scale, np.float64)
+    assert scale[2, 0] > 2.0**64 > scale[1, 0]
+    ref = np.clip(np.round(x.astype(np.float64) / scale), qt.qmin, qt.qmax)
+    ref[x == -np.abs(x).max(axis=1, keepdims=True)] = qt.qmin  # -bound's code (see above)
+    np.testing.assert_array_equal(np.asarray(q.qvalue, np.float64), ref)

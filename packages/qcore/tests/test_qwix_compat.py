@@ -186,12 +186,33 @@ def test_astype_refuses_non_float_dtypes(q486, dtype):
 # -- bool operands -------------------------------------------------------------------------
 
 
+def test_codes_match_qwix_but_minus_bound_always_gets_qmin():
+    """The one documented difference in int8 codes: ``-bound`` gets ``-128``.
+
+    Both map the bound to 127.5, so ``-bound`` lands on the tie -127.5 up to float32
+    rounding; Qwix rounds it to -127 or -128 by the bound's last bits (-127 in both
+    of this weight's columns whose bound is negative), qcore always to -128.
+    """
+    want = QWIX["bool_operand"]["weight"]
+    w = _values((6, 3), 1.0)
+    q = quantize(jnp.asarray(w), HowToQuantize(qtype="int8", channelwise_axes=1))
+    np.testing.assert_array_equal(np.asarray(q.scale), np.asarray(want["scale"], np.float32))
+    codes, qwix = np.asarray(q.qvalue, np.int64), np.asarray(want["qvalue"])
+    at_minus_bound = w == -np.abs(w).max(axis=0)
+    assert at_minus_bound.sum() == 2 and np.all(qwix[at_minus_bound] == -127)
+    np.testing.assert_array_equal(codes[at_minus_bound], -128)
+    np.testing.assert_array_equal(codes[~at_minus_bound], qwix[~at_minus_bound])
+
+
 @pytest.mark.parametrize("wdtype", ["float32", "bfloat16"])
 def test_bool_operand_times_qarray_matches_qwix(wdtype):
     fixture = QWIX["bool_operand"]
     mask = jnp.asarray(np.array(fixture["mask"], bool))
-    qw = quantize(
-        jnp.asarray(_values((6, 3), 1.0)), HowToQuantize(qtype="int8", channelwise_axes=1)
+    weight = fixture["weight"]  # Qwix's codes (see the test above)
+    qw = qcore.QArray(
+        jnp.asarray(weight["qvalue"], jnp.int8),
+        jnp.asarray(weight["scale"], jnp.float32),
+        qtype="int8",
     )
     qw = qw.astype(wdtype)
     ref = np.asarray(fixture["mask"], np.float64) @ _f64(dequantize(qw))

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import zoo
+from archs import small as zoo
 from flax import nnx
 
 import qflax

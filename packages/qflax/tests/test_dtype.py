@@ -152,3 +152,17 @@ def test_nnx_lora_keeps_bf16(weight_qtype):
     tol = _tol(rules)
     model = qflax.quantize_model(NnxNet(nnx.Rngs(0)), LoraProvider(rules), X)
     _check(model(X), _nnx_ref(), tol)
+
+
+def test_bf16_jitted_init_quantizes_the_eager_inits_weights():
+    # A bf16 initializer computes in float32; under jit XLA could skip its rounding
+    # to bf16 before the quantizer (2623 of 16384 codes differed; issue 20).
+    model = nn.Dense(128, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
+    x = jnp.ones((2, 128), jnp.bfloat16)
+    qmodel = qflax.quantize_model(model, qflax.PtqProvider([Rule(weight_qtype="int8")]))
+    jitted = jax.jit(qmodel.init)(jax.random.key(0), x)["params"]
+    eager = qmodel.init(jax.random.key(0), x)["params"]
+    abstract = jax.eval_shape(qmodel.init, jax.random.key(0), x)["params"]
+    offline = qflax.quantize_params(model.init(jax.random.key(0), x)["params"], abstract)
+    for got in (jitted, eager):
+        jax.tree.map(np.testing.assert_array_equal, got, offline)

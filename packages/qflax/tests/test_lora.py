@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-import zoo
+from archs import small as zoo
 from flax import nnx
 
 import qcore

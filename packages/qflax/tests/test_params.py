@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import zoo
+from archs import small as zoo
 from flax import nnx
 
 import qflax
@@ -128,6 +128,27 @@ def test_nnx_in_place_quantization_equals_quantize_params_on_an_abstract_model()
     nnx.replace_by_pure_dict(state, quantized)
     loaded = nnx.merge(graphdef, state)
     np.testing.assert_array_equal(loaded(X), in_place(X))
+
+
+class _NnxLayers(nnx.Module):
+    """Layers in an ``nnx.List``: ``nnx.to_pure_dict`` keys them by int."""
+
+    def __init__(self, rngs):
+        self.layers = nnx.List([nnx.Linear(128, 128, rngs=rngs) for _ in range(2)])
+
+    def __call__(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def test_quantize_params_keeps_the_int_keys_of_an_nnx_list():
+    fp = nnx.to_pure_dict(nnx.state(_NnxLayers(nnx.Rngs(0)), nnx.Param))
+    assert set(fp["layers"]) == {0, 1}
+    in_place = qflax.quantize_model(_NnxLayers(nnx.Rngs(0)), qflax.PtqProvider(NNX_RULES), X)
+    quantized = qflax.quantize_params(fp, in_place)
+    assert set(quantized["layers"]) == {0, 1}
+    assert_trees_identical(quantized, nnx.to_pure_dict(nnx.state(in_place, nnx.Param)))
 
 
 def test_nnx_quantization_replaces_the_float_weights_without_a_copy():

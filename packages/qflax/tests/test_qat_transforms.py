@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-import zoo_vit
+from archs import vit as zoo_vit
 
 import qflax
 from qflax import QuantizationRule as Rule

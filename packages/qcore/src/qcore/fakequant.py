@@ -192,6 +192,7 @@ def fake_quant_with_scale(
     if zero_point is not None:
         zero_point = jnp.asarray(zero_point)
         qarray._check_zero_point_shape(zero_point.shape, scale.shape)
+    x = qarray._exact_input(x)
     finite = qarray._block_all_finite(x, scale.shape)
 
     def fq(xb, sb, zb, ok):

@@ -255,6 +255,8 @@ def encode(
     dtype = qtype.storage_dtype
     if qtype.kind == "int":
         qmin, qmax = int_range(qtype, narrow_range)
+        if rounding != "stochastic" and qmax + 0.5 == symmetric_denominator(qtype, narrow_range):
+            v = _lowest_tie_to_qmin(v, qmin)
         return saturate(round_values(v, rounding, key=key), qmin, qmax).astype(dtype)
     if qtype.kind == "binary":
         return jnp.where(v >= 0, 1, -1).astype(dtype)
@@ -264,6 +266,23 @@ def encode(
     levels = jnp.asarray(qtype.codebook, jnp.float32)
     midpoints = (levels[1:] + levels[:-1]) / 2
     return jnp.searchsorted(midpoints, saturate(v, qtype.qmin, qtype.qmax)).astype(dtype)
+
+
+def _lowest_tie_to_qmin(v: jax.Array, qmin: float) -> jax.Array:
+    """Values within 32 float32 ulps above the tie ``qmin + 0.5`` take the tie's code.
+
+    A symmetric scale of a signed, not narrow, type maps the bound to ``qmax + 0.5``
+    (:func:`symmetric_denominator`), so ``-bound / scale`` is the tie ``qmin + 0.5``
+    up to float32 rounding of the scale and the division. It rounded to ``qmin`` or
+    to ``qmin + 1`` (both half a step away) depending on the bound's last bits, so an
+    ulp's change of a model's values (XLA fuses float ops differently eagerly and
+    under ``jax.jit``) moved a block's largest value by a whole step. Both rounding
+    modes send the exact tie to ``qmin``; so do these values now, at a cost of at
+    most 32 ulps of extra error (``2.4e-4`` of a step in int8).
+    """
+    edge = qmin + 0.5
+    near = (v >= edge) & (v < edge + abs(edge) * 2.0**-19)
+    return jnp.where(near, jnp.float32(qmin), v)
 
 
 def decode(codes: jax.Array, qtype: QType) -> jax.Array:

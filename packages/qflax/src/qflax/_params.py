@@ -80,8 +80,9 @@ def quantize_params(
         >>> q["kernel"].qarray.qvalue.shape  # int4 codes packed two per byte
         (4, 3)
     """
-    flat = _flatten(params, "params")
-    abstract = _flatten(abstract_quantized_params, "abstract_quantized_params")
+    keys: dict[Path, tuple] = {}  # the trees' own keys (an nnx.List's are ints)
+    flat = _flatten(params, "params", keys)
+    abstract = _flatten(abstract_quantized_params, "abstract_quantized_params", keys)
     out: dict[Path, Any] = {}
     for path, value in flat.items():
         where = "/".join(path)
@@ -132,7 +133,7 @@ def quantize_params(
             )
         stats.check_seen(stat, where)
         out[path] = ActScale(stats.scale(stat, target.recipe.qtype), target.recipe)
-    return traverse_util.unflatten_dict(out)
+    return traverse_util.unflatten_dict({keys.get(p, p): v for p, v in out.items()})
 
 
 def is_leaf(x: Any) -> bool:
@@ -140,8 +141,12 @@ def is_leaf(x: Any) -> bool:
     return isinstance(x, QuantizedParam | ActScale | nn.meta.AxisMetadata | nnx.Variable)
 
 
-def _flatten(tree: Any, name: str) -> dict[Path, Any]:
-    """``{path: unboxed leaf}`` of a nested dict, an NNX module or an NNX state (``name``)."""
+def _flatten(tree: Any, name: str, keys: dict[Path, tuple] | None = None) -> dict[Path, Any]:
+    """``{path: unboxed leaf}`` of a nested dict, an NNX module or an NNX state (``name``).
+
+    Paths are tuples of strings; ``keys``, when given, maps those not in it yet to the
+    tree's own keys.
+    """
     if isinstance(tree, nnx.Module):
         tree = nnx.state(tree)
     if isinstance(tree, nnx.State):
@@ -155,6 +160,8 @@ def _flatten(tree: Any, name: str) -> dict[Path, Any]:
     result = {}
     for path, leaf in flat.items():
         result[tuple(str(p) for p in path)] = nn.meta.unbox(leaf)
+        if keys is not None:
+            keys.setdefault(tuple(str(p) for p in path), path)
     return result
 
 

@@ -358,6 +358,11 @@ def _int4_kn(x, w_packed, w_scale, group_size, precision, block):
     return acc if grouped else acc * w_scale
 
 
+# Batch-1 w8a8 with a (K, N) weight: the int8 GEMM (which re-packs the weight) up to
+# this many weight elements, blocked f32 conversion above (see w8a8).
+_W8A8_KN_INT8_MAX_WEIGHT = 2**22
+
+
 # ----------------------------------------------------------------------------------------------
 # C. w8a8: int8 activations (per-row scale) x int8 weights (per-column scale)
 # ----------------------------------------------------------------------------------------------
@@ -368,10 +373,11 @@ def w8a8(x_codes, x_scale, w_codes, w_scale, *, layout="nk", block=None):
     int8 × int8 → int32 GEMM with the weight as the left operand, so XLA does not
     re-pack the weight per call; batch 1 is padded to 2 rows because a 1-wide dot
     falls back to a GEMV that widens the whole weight. With ``layout="kn"``
-    (``(K, N)``) the int8 GEMM would re-pack the weight, so K blocks of 512 rows are
-    converted to bf16 (exact: ``|code| <= 127`` fits bf16's significand, products are
-    exact in f32 and block sums stay below ``2**24``) and multiplied with f32
-    accumulation (f32 at batch 1).
+    (``(K, N)``) the int8 GEMM re-packs the weight on every call, which still beats
+    converting it (``benchmarks/w8a8_layout.py``) except at batch 1 on weights above
+    4 MiB: there K blocks of 512 rows are converted to f32 and multiplied with f32
+    accumulation (exact: products of codes and their block sums stay below
+    ``2**24``).
 
     Args:
         x_codes: ``(M, K)`` int8 activation codes.
@@ -385,12 +391,14 @@ def w8a8(x_codes, x_scale, w_codes, w_scale, *, layout="nk", block=None):
         ``(M, N)`` float32.
     """
     m, k = x_codes.shape
+    xp = jnp.concatenate([x_codes, jnp.zeros((1, k), x_codes.dtype)], 0) if m == 1 else x_codes
     if layout == "nk":
-        xp = jnp.concatenate([x_codes, jnp.zeros((1, k), x_codes.dtype)], 0) if m == 1 else x_codes
         acc = lax.dot_general(w_codes, xp, _DN_LAST, preferred_element_type=i32)  # (N, M')
         return acc[:, :m].T.astype(f32) * x_scale * w_scale
-    cdt = f32 if m == 1 else bf16
-    return _scan_k(x_codes, w_codes, cdt, block or _pick_block(k, 512)) * x_scale * w_scale
+    if block is None and (m > 1 or k * w_codes.shape[1] <= _W8A8_KN_INT8_MAX_WEIGHT):
+        acc = lax.dot(xp, w_codes, preferred_element_type=i32)[:m]  # (M, N)
+        return acc.astype(f32) * x_scale * w_scale
+    return _scan_k(x_codes, w_codes, f32, block or _pick_block(k, 512)) * x_scale * w_scale
 
 
 # ----------------------------------------------------------------------------------------------
@@ -414,32 +422,68 @@ def _explicitly_sharded(*arrays) -> bool:
     return False
 
 
+def _matrix_view(w, contracting):
+    """``(codes, scale, layout, k, free_shape)`` of a weight as a 2-D matrix, or None.
+
+    The weight's contracted axes must be its leading axes (``"kn"``) or its trailing
+    axes (``"nk"``), in order, so that the reshape is free; a weight of more than two
+    axes must be unpacked with one scale per output element (Flax's einsum weights:
+    ``(d, heads, head_dim)``, ``(heads, head_dim, d)``).
+    """
+    c, nd = len(contracting), w.ndim
+    if contracting == tuple(range(c)):
+        layout, k_axes, n_axes = "kn", range(c), range(c, nd)
+    elif contracting == tuple(range(nd - c, nd)):
+        layout, k_axes, n_axes = "nk", range(nd - c, nd), range(nd - c)
+    else:
+        return None
+    k = math.prod(w.shape[a] for a in k_axes)
+    free = tuple(w.shape[a] for a in n_axes)
+    n, s = math.prod(free), w.scale
+    if nd == 2:
+        return w.qvalue, s, layout, k, free
+    if w.packing is not None or any(s.shape[a] != 1 for a in k_axes):
+        return None
+    if any(s.shape[a] != w.shape[a] for a in n_axes):
+        return None
+    shape = (k, n) if layout == "kn" else (n, k)
+    scale = s.reshape((1, n) if layout == "kn" else (n, 1))
+    return w.qvalue.reshape(shape), scale, layout, k, free
+
+
 def fast_dot_general(lhs, rhs, dims, precision):
     """The kernel result for ``dot_general(lhs, rhs, dims)``, or None if no kernel applies.
 
     Applies only when traced for the CPU (the kernels are tuned for XLA:CPU; any
-    other backend gets None), and when ``rhs`` is a 2-D symmetric signed-integer
-    QArray (int2..int8 codes, or int4 packed along K) with one scale per output column
-    (int4 packed: or per tile of K), ``lhs`` contracts its last axis with no batch
+    other backend gets None), and when ``rhs`` is a symmetric signed-integer QArray
+    (int2..int8 codes, or int4 packed along K) with one scale per output column
+    (int4 packed: or per tile of K), ``lhs`` contracts its last axes with no batch
     axes, and ``lhs`` is a float array with a static (not symbolic) row count
     (weight-only) or a symmetric int8-coded QArray with one scale per row (w8a8). The
-    weight may be stored (K, N) ("kn") or (N, K) ("nk", faster: see the module docstring).
+    weight may be stored (K, N) ("kn") or (N, K) ("nk", faster: see the module
+    docstring); a weight with more axes qualifies when its contracted axes lead or
+    trail (see ``_matrix_view``).
     """
     from qcore.qarray import QArray  # local: kernels is imported by qarray users
 
     (lc, rc), (lb, rb) = dims
     if _backend.platform() != "cpu":
         return None
-    if not isinstance(rhs, QArray) or rhs.ndim != 2 or lb or rb or len(lc) != 1:
+    if not isinstance(rhs, QArray) or rhs.ndim < 2 or lb or rb:
         return None
     if _explicitly_sharded(*jax.tree.leaves((lhs, rhs))):
         return None
-    if lc[0] != lhs.ndim - 1 or rhs.zero_point is not None or rhs.tensor_scale is not None:
+    c = len(lc)
+    if tuple(lc) != tuple(range(lhs.ndim - c, lhs.ndim)) or rhs.zero_point is not None:
         return None
-    layout = "kn" if rc[0] == 0 else "nk"
+    if rhs.tensor_scale is not None or c == rhs.ndim:
+        return None
+    view = _matrix_view(rhs, tuple(rc))
+    if view is None:
+        return None
+    codes, s, layout, k, free = view
     k_axis, n_axis = (0, 1) if layout == "kn" else (1, 0)
-    k, n = rhs.shape[k_axis], rhs.shape[n_axis]
-    s = rhs.scale
+    n = math.prod(free)
     groups = s.shape[k_axis]
     if s.shape[n_axis] != n:
         return None
@@ -451,7 +495,7 @@ def fast_dot_general(lhs, rhs, dims, precision):
             return None  # a byte's two codes must share a scale row
     elif not _signed_int8_codes(rhs) or groups != 1:
         return None
-    lead = lhs.shape[:-1]
+    lead = lhs.shape[: lhs.ndim - c]
     m = 1
     for d in lead:
         m *= d
@@ -461,21 +505,15 @@ def fast_dot_general(lhs, rhs, dims, precision):
     if isinstance(lhs, QArray):
         if packed4 or not _signed_int8_codes(lhs) or lhs.zero_point is not None:
             return None
-        if lhs.tensor_scale is not None or lhs.scale.shape[-1] != 1:
+        if lhs.tensor_scale is not None or any(d != 1 for d in lhs.scale.shape[lhs.ndim - c :]):
             return None
-        x_scale = jnp.broadcast_to(lhs.scale.astype(f32), lhs.shape[:-1] + (1,)).reshape(m, 1)
-        x_codes = lhs.qvalue.reshape(m, k)
-        y = w8a8(x_codes, x_scale, rhs.qvalue, scale, layout=layout)
+        x_scale = jnp.broadcast_to(lhs.scale.astype(f32), (*lead, *lhs.scale.shape[len(lead) :]))
+        y = w8a8(lhs.qvalue.reshape(m, k), x_scale.reshape(m, 1), codes, scale, layout=layout)
     elif packed4:
         group_size = k // groups if groups > 1 else None
         y = int4_packed_weight_only(
-            lhs.reshape(m, k),
-            rhs.qvalue,
-            scale,
-            group_size=group_size,
-            layout=layout,
-            precision=prec,
+            lhs.reshape(m, k), codes, scale, group_size=group_size, layout=layout, precision=prec
         )
     else:
-        y = int8_weight_only(lhs.reshape(m, k), rhs.qvalue, scale, layout=layout, precision=prec)
-    return y.reshape(*lead, n)
+        y = int8_weight_only(lhs.reshape(m, k), codes, scale, layout=layout, precision=prec)
+    return y.reshape(*lead, *free)

@@ -1,12 +1,36 @@
 """A small Gemma-like decoder (NNX and a Linen twin): RMSNorm, rotary embeddings,
 grouped-query attention with einsums, a gated MLP, tied embeddings, a KV cache."""
 
+import dataclasses
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-VOCAB, DIM, HEADS, KV_HEADS, HEAD_DIM, HIDDEN, LAYERS = 64, 32, 4, 2, 8, 64, 2
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Sizes; the defaults are the tests' tiny model (``Config(512, layers=4)`` for benchmarks)."""
+
+    d_model: int = 32
+    layers: int = 2
+    vocab: int = 64
+    heads: int = 4
+    kv_heads: int = 2
+    hidden_mult: int = 2
+
+    @property
+    def head_dim(self):
+        return self.d_model // self.heads
+
+    @property
+    def hidden(self):
+        return self.hidden_mult * self.d_model
+
+
+TINY = Config()
+VOCAB = TINY.vocab
 
 
 def rms_norm(x, scale):
@@ -26,14 +50,15 @@ def rope(x, positions):
 
 
 def attend(q, k, v, q_pos, k_pos):
-    """Grouped-query causal attention: ``HEADS // KV_HEADS`` query heads per kv head."""
-    b, t, _, d = q.shape
-    q = q.reshape(b, t, KV_HEADS, HEADS // KV_HEADS, d)
+    """Grouped-query causal attention: ``heads // kv_heads`` query heads per kv head."""
+    b, t, heads, d = q.shape
+    kv_heads = k.shape[2]
+    q = q.reshape(b, t, kv_heads, heads // kv_heads, d)
     logits = jnp.einsum("btkgd,bskd->bkgts", q, k) * d**-0.5
     causal = q_pos[:, None, None, :, None] >= k_pos[:, None, None, None, :]
     logits = jnp.where(causal, logits, jnp.finfo(jnp.float32).min)
     out = jnp.einsum("bkgts,bskd->btkgd", jax.nn.softmax(logits, axis=-1), v)
-    return out.reshape(b, t, HEADS, d)
+    return out.reshape(b, t, heads, d)
 
 
 def gated_mlp(x, gate, up, down):
@@ -41,16 +66,23 @@ def gated_mlp(x, gate, up, down):
 
 
 class NnxLayer(nnx.Module):
-    def __init__(self, rngs):
-        init = nnx.initializers.normal(DIM**-0.5)
-        self.norm1 = nnx.Param(jnp.zeros(DIM))
-        self.q = nnx.Param(init(rngs.params(), (DIM, HEADS, HEAD_DIM)))
-        self.kv = nnx.Param(init(rngs.params(), (2, DIM, KV_HEADS, HEAD_DIM)))
-        self.o = nnx.Param(init(rngs.params(), (HEADS, HEAD_DIM, DIM)))
-        self.norm2 = nnx.Param(jnp.zeros(DIM))
-        self.gate = nnx.Param(init(rngs.params(), (DIM, HIDDEN)))
-        self.up = nnx.Param(init(rngs.params(), (DIM, HIDDEN)))
-        self.down = nnx.Param(init(rngs.params(), (HIDDEN, DIM)))
+    def __init__(self, cfg, rngs):
+        dim, heads, kv_heads, head_dim, hidden = (
+            cfg.d_model,
+            cfg.heads,
+            cfg.kv_heads,
+            cfg.head_dim,
+            cfg.hidden,
+        )
+        init = nnx.initializers.normal(dim**-0.5)
+        self.norm1 = nnx.Param(jnp.zeros(dim))
+        self.q = nnx.Param(init(rngs.params(), (dim, heads, head_dim)))
+        self.kv = nnx.Param(init(rngs.params(), (2, dim, kv_heads, head_dim)))
+        self.o = nnx.Param(init(rngs.params(), (heads, head_dim, dim)))
+        self.norm2 = nnx.Param(jnp.zeros(dim))
+        self.gate = nnx.Param(init(rngs.params(), (dim, hidden)))
+        self.up = nnx.Param(init(rngs.params(), (dim, hidden)))
+        self.down = nnx.Param(init(rngs.params(), (hidden, dim)))
 
     def __call__(self, x, positions, cache):
         h = rms_norm(x, self.norm1[...])
@@ -73,14 +105,15 @@ class NnxLayer(nnx.Module):
 class NnxGemma(nnx.Module):
     """``__call__(tokens, positions, caches=None) -> (logits, caches)``."""
 
-    def __init__(self, rngs):
-        self.embed = nnx.Param(nnx.initializers.normal(1.0)(rngs.params(), (VOCAB, DIM)))
-        self.layers = nnx.List([NnxLayer(rngs) for _ in range(LAYERS)])
-        self.final_norm = nnx.Param(jnp.zeros(DIM))
+    def __init__(self, rngs, cfg=TINY):
+        init = nnx.initializers.normal(1.0)
+        self.embed = nnx.Param(init(rngs.params(), (cfg.vocab, cfg.d_model)))
+        self.layers = nnx.List([NnxLayer(cfg, rngs) for _ in range(cfg.layers)])
+        self.final_norm = nnx.Param(jnp.zeros(cfg.d_model))
 
     def __call__(self, tokens, positions, caches=None):
         table = self.embed[...]
-        x = jnp.take(table, tokens, axis=0) * jnp.sqrt(jnp.float32(DIM))
+        x = jnp.take(table, tokens, axis=0) * jnp.sqrt(jnp.float32(table.shape[1]))
         new = []
         for i, layer in enumerate(self.layers):
             x, c = layer(x, positions, None if caches is None else caches[i])
@@ -90,17 +123,27 @@ class NnxGemma(nnx.Module):
 
 
 class LinenLayer(nn.Module):
+    cfg: Config
+
     @nn.compact
     def __call__(self, x, positions, cache):
-        init = nn.initializers.normal(DIM**-0.5)
-        norm1 = self.param("norm1", nn.initializers.zeros, (DIM,))
-        wq = self.param("q", init, (DIM, HEADS, HEAD_DIM))
-        wkv = self.param("kv", init, (2, DIM, KV_HEADS, HEAD_DIM))
-        wo = self.param("o", init, (HEADS, HEAD_DIM, DIM))
-        norm2 = self.param("norm2", nn.initializers.zeros, (DIM,))
-        gate = self.param("gate", init, (DIM, HIDDEN))
-        up = self.param("up", init, (DIM, HIDDEN))
-        down = self.param("down", init, (HIDDEN, DIM))
+        cfg = self.cfg
+        dim, heads, kv_heads, head_dim, hidden = (
+            cfg.d_model,
+            cfg.heads,
+            cfg.kv_heads,
+            cfg.head_dim,
+            cfg.hidden,
+        )
+        init = nn.initializers.normal(dim**-0.5)
+        norm1 = self.param("norm1", nn.initializers.zeros, (dim,))
+        wq = self.param("q", init, (dim, heads, head_dim))
+        wkv = self.param("kv", init, (2, dim, kv_heads, head_dim))
+        wo = self.param("o", init, (heads, head_dim, dim))
+        norm2 = self.param("norm2", nn.initializers.zeros, (dim,))
+        gate = self.param("gate", init, (dim, hidden))
+        up = self.param("up", init, (dim, hidden))
+        down = self.param("down", init, (hidden, dim))
         h = rms_norm(x, norm1)
         q = rope(jnp.einsum("btd,dhe->bthe", h, wq), positions)
         k, v = jnp.einsum("btd,cdke->cbtke", h, wkv)
@@ -119,13 +162,17 @@ class LinenLayer(nn.Module):
 class LinenGemma(nn.Module):
     """The Linen twin of :class:`NnxGemma`."""
 
+    cfg: Config = TINY
+
     @nn.compact
     def __call__(self, tokens, positions, caches=None):
-        table = self.param("embed", nn.initializers.normal(1.0), (VOCAB, DIM))
-        x = jnp.take(table, tokens, axis=0) * jnp.sqrt(jnp.float32(DIM))
+        cfg = self.cfg
+        table = self.param("embed", nn.initializers.normal(1.0), (cfg.vocab, cfg.d_model))
+        x = jnp.take(table, tokens, axis=0) * jnp.sqrt(jnp.float32(cfg.d_model))
         new = []
-        for i in range(LAYERS):
-            x, c = LinenLayer(name=f"layer{i}")(x, positions, None if caches is None else caches[i])
+        for i in range(cfg.layers):
+            layer = LinenLayer(cfg, name=f"layer{i}")
+            x, c = layer(x, positions, None if caches is None else caches[i])
             new.append(c)
-        x = rms_norm(x, self.param("final_norm", nn.initializers.zeros, (DIM,)))
+        x = rms_norm(x, self.param("final_norm", nn.initializers.zeros, (cfg.d_model,)))
         return jnp.einsum("btd,vd->btv", x, table), new
