@@ -22,7 +22,6 @@ from jax import lax
 import qcore
 from qcore import HowToQuantize, QArray, dequantize, quantize, testing
 from qcore.metrics import mean_relative_error
-from qcore.ops import kernels
 
 HIGHEST = lax.Precision.HIGHEST
 MATMUL = (((1,), (0,)), ((), ()))
@@ -138,15 +137,10 @@ def test_integer_path_equals_dequantize_then_highest_float(lshape, rshape, dims,
     y, ref, a, b = jax.jit(run)(normal(lshape, 1, shift=0.3), normal(rshape, 2))
     assert y.dtype == F32
     assert testing.max_rel_error(y, ref) <= tol
-    # ...and the integer path really ran: one int8 x int8 -> int32 contraction, no float one.
-    # Exception, documented in qcore.ops.kernels: a 2-D (K, N) weight times int8 activations
-    # runs as a scan of exact bf16 block products (|code| <= 127 is exact in bf16 and block
-    # sums stay below 2**24), faster than XLA:CPU's int8 GEMM with that layout.
+    # ...and the integer path really ran: one int8 x int8 -> int32 contraction, no float one
+    # (the kernels' f32 blocks serve only batch 1 with a (K, N) weight above 4 MiB).
     dots = primitive_dtypes(lambda a, b: qcore.dot_general(a, b, dims), a, b)
-    if kernels.fast_dot_general(a, b, dims, None) is not None and dims[0][1] == (0,):
-        assert set(dots) <= {((BF16, BF16), F32), ((F32, F32), F32)}, dots
-    else:
-        assert dots == [INT8_INTO_INT32]
+    assert dots == [INT8_INTO_INT32]
 
 
 def test_jaxpr_of_jitted_dot_general_contracts_int8_into_int32():

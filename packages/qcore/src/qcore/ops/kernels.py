@@ -395,7 +395,7 @@ def w8a8(x_codes, x_scale, w_codes, w_scale, *, layout="nk", block=None):
     if layout == "nk":
         acc = lax.dot_general(w_codes, xp, _DN_LAST, preferred_element_type=i32)  # (N, M')
         return acc[:, :m].T.astype(f32) * x_scale * w_scale
-    if block is None and (m > 1 or k * w_codes.shape[1] <= _W8A8_KN_INT8_MAX_WEIGHT):
+    if block is None and (m != 1 or k * w_codes.shape[1] <= _W8A8_KN_INT8_MAX_WEIGHT):
         acc = lax.dot(xp, w_codes, preferred_element_type=i32)[:m]  # (M, N)
         return acc.astype(f32) * x_scale * w_scale
     return _scan_k(x_codes, w_codes, f32, block or _pick_block(k, 512)) * x_scale * w_scale
