@@ -148,17 +148,11 @@ def conv_impls(qwix: Any) -> dict[str, Impl]:
     return impls
 
 
-def time_impl(fn, x, ring, reps: int, warmup: int) -> list[float]:
-    """Milliseconds per call, one weight buffer of the ring per call."""
-    for i in range(warmup):
-        jax.block_until_ready(fn(x, ring[i % len(ring)]))
-    times = []
-    for i in range(reps):
-        w = ring[i % len(ring)]
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(x, w))
-        times.append((time.perf_counter() - t0) * 1e3)
-    return times
+def time_call(fn, x, w) -> float:
+    """Milliseconds of one call."""
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(x, w))
+    return (time.perf_counter() - t0) * 1e3
 
 
 def check(fn, x, w_prepared, reference: np.ndarray) -> float:
@@ -171,22 +165,29 @@ def run_case(label, x, weights, impls, reps, warmup, reference_fn) -> list[dict[
     """Times every impl on one shape; returns result rows."""
     rows = []
     ref = reference_fn(np.asarray(x, np.float64), np.asarray(weights[0], np.float64))
-    for name, (fn, prepare) in impls.items():
-        ring = [prepare(w) for w in weights]
-        times = time_impl(fn, x, ring, reps, warmup)
+    rings = {name: [prepare(w) for w in weights] for name, (_, prepare) in impls.items()}
+    for name, (fn, _) in impls.items():
+        for i in range(warmup):
+            jax.block_until_ready(fn(x, rings[name][i % len(weights)]))
+    times: dict[str, list[float]] = {name: [] for name in impls}
+    for i in range(reps):  # interleaved: one call of every impl per round
+        for name, (fn, _) in impls.items():
+            times[name].append(time_call(fn, x, rings[name][i % len(weights)]))
+    for name, (fn, _) in impls.items():
+        ring = rings[name]
         rows.append(
             {
                 "case": label,
                 "impl": name,
-                "median_ms": statistics.median(times),
-                "p10_ms": float(np.percentile(times, 10)),
-                "p90_ms": float(np.percentile(times, 90)),
+                "median_ms": statistics.median(times[name]),
+                "p10_ms": float(np.percentile(times[name], 10)),
+                "p90_ms": float(np.percentile(times[name], 90)),
                 "max_rel_error": check(fn, x, ring[0], ref),
                 "weight_bytes": int(sum(leaf.nbytes for leaf in jax.tree.leaves(ring[0]))),
             }
         )
         print(f"  {label:28s} {name:18s} {rows[-1]['median_ms']:9.3f} ms", flush=True)
-        del ring
+    del rings
     fp32 = next(r["median_ms"] for r in rows if r["impl"] == "fp32")
     qwix_ms = {r["impl"].removeprefix("qwix "): r["median_ms"] for r in rows if "qwix" in r["impl"]}
     for r in rows:
@@ -254,7 +255,8 @@ def publish(
 def table(rows: list[dict[str, Any]]) -> str:
     """Markdown table of the results; quantized configs slower than fp32 are flagged."""
     lines = [
-        "| case | config | median ms | vs fp32 | vs Qwix | max rel err | weight KiB | note |",
+        "| case | config | median ms (p10–p90) | vs fp32 | vs Qwix | max rel err | weight KiB "
+        "| note |",
         "| --- | --- | ---: | ---: | ---: | ---: | ---: | --- |",
     ]
     for r in rows:
@@ -262,7 +264,8 @@ def table(rows: list[dict[str, Any]]) -> str:
         ours = r["impl"] not in ("fp32", "bf16") and "qwix" not in r["impl"]
         note = "slower than fp32" if ours and r["speedup_vs_fp32"] < 1 else ""
         lines.append(
-            f"| {r['case']} | {r['impl']} | {r['median_ms']:.3f} | {r['speedup_vs_fp32']:.2f}× "
+            f"| {r['case']} | {r['impl']} | {r['median_ms']:.3f} ({r['p10_ms']:.3f}–"
+            f"{r['p90_ms']:.3f}) | {r['speedup_vs_fp32']:.2f}× "
             f"| {vs_q} | {r['max_rel_error']:.1e} | {r['weight_bytes'] / 2**10:,.0f} | {note} |"
         )
     return "\n".join(lines)
@@ -283,8 +286,9 @@ def report(data: dict[str, Any]) -> str:
     return "\n".join(
         [
             measured_on(m, f"qcore {m['qcore']}, Qwix {m['qwix']}")
-            + f" Median of {m['reps']} calls after warm-up, cycling {m['ring']} distinct weight"
-            " buffers; ratios are to the fp32 (or Qwix) row of the same case in the same run.",
+            + f" Median of {m['reps']} calls after warm-up, in rounds that call every config"
+            f" of a case once (interleaved), cycling {m['ring']} distinct weight buffers; ratios"
+            " are to the fp32 (or Qwix) row of the same case in the same run.",
             "",
             table(data["rows"]),
         ]
@@ -322,10 +326,10 @@ def load_qwix(skip: bool) -> Any:
 def main(argv: list[str] | None = None) -> int:
     """Runs the benchmark; returns the exit code."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--reps", type=int, default=10, help="timed calls per config (>= 5)")
+    parser.add_argument("--reps", type=int, default=21, help="timed rounds (>= 21)")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--ring", type=int, default=4, help="distinct weight buffers")
-    parser.add_argument("--quick", action="store_true", help="batch-1 matmul only, 5 reps")
+    parser.add_argument("--quick", action="store_true", help="batch-1 matmul only")
     parser.add_argument("--no-qwix", action="store_true", help="skip the Qwix comparison")
     parser.add_argument("--out", type=Path, default=HERE / "results" / "ops.json")
     parser.add_argument(
@@ -340,10 +344,8 @@ def main(argv: list[str] | None = None) -> int:
         update_readme(data, HERE / "README.md")
         print(f"updated {HERE / 'README.md'} and {plots.save('ops', data)}")
         return 0
-    if args.quick:
-        args.reps = 5
-    if args.reps < 5:
-        parser.error(f"--reps must be >= 5, got {args.reps}")
+    if args.reps < 21 and not args.quick:
+        parser.error(f"--reps must be >= 21, got {args.reps}")
     qwix = load_qwix(args.no_qwix)
     info = run_info(args.reps, qwix=getattr(qwix, "__version__", None), ring=args.ring)
     rows: list[dict[str, Any]] = []

@@ -377,7 +377,8 @@ def w8a8(x_codes, x_scale, w_codes, w_scale, *, layout="nk", block=None):
     converting it (``benchmarks/w8a8_layout.py``) except at batch 1 on weights above
     4 MiB: there K blocks of 512 rows are converted to f32 and multiplied with f32
     accumulation (exact: products of codes and their block sums stay below
-    ``2**24``).
+    ``2**24``). An explicit ``block`` forces the blocks (bf16 above batch 1: codes
+    are exact in bf16).
 
     Args:
         x_codes: ``(M, K)`` int8 activation codes.
@@ -398,7 +399,8 @@ def w8a8(x_codes, x_scale, w_codes, w_scale, *, layout="nk", block=None):
     if block is None and (m != 1 or k * w_codes.shape[1] <= _W8A8_KN_INT8_MAX_WEIGHT):
         acc = lax.dot(xp, w_codes, preferred_element_type=i32)[:m]  # (M, N)
         return acc.astype(f32) * x_scale * w_scale
-    return _scan_k(x_codes, w_codes, f32, block or _pick_block(k, 512)) * x_scale * w_scale
+    cdt = f32 if m == 1 else bf16
+    return _scan_k(x_codes, w_codes, cdt, block or _pick_block(k, 512)) * x_scale * w_scale
 
 
 # ----------------------------------------------------------------------------------------------
