@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from archs import decoder_lm, gemma_like, gru, loop_decoder, moe, resnet, vit
+from archs import decoder_lm, gemma_like, gru, loop_decoder, moe, nnx_scan, resnet, vit
 from flax import nnx
 
 import qflax
@@ -79,6 +79,7 @@ ARCHS = {
     "moe_top1": Arch(moe.MoEClassifier(moe.Config(top_k=1)), (_normal(2, 8, 32),)),
     "moe_top2": Arch(moe.MoEClassifier(moe.Config(top_k=2)), (_normal(2, 8, 32),)),
     "gru": Arch(gru.GRUClassifier(gru.Config(layers=1)), (_normal(2, 8, 32),)),
+    "nnx_scan": Arch(lambda: nnx_scan.ScanStack(nnx.Rngs(0)), (_normal(2, 8, 32),)),
     "loop_decoder": Arch(
         loop_decoder.LoopDecoder(loop_decoder.Config(layers=1)),
         (IDS,),

@@ -12,6 +12,7 @@ set the size, e.g. ``Config(d_model=512, layers=4)`` for the benchmarks):
 - :mod:`archs.resnet`: ResNet with BatchNorm, residual blocks, strided convolutions.
 - :mod:`archs.moe`: mixture-of-experts layer on ``jax.lax.ragged_dot`` (top-1/top-2).
 - :mod:`archs.gru`: GRU via ``nn.RNN(nn.GRUCell)``.
+- :mod:`archs.nnx_scan`: NNX blocks made by ``nnx.vmap`` and run by ``nnx.scan``.
 - :mod:`archs.loop_decoder`: recurrent decoder run by ``lax.fori_loop`` and a jitted
   ``lax.while_loop`` greedy ``generate``.
 - :mod:`archs.small`: small models covering the ways Flax code calls the ops.
