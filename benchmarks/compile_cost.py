@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import pstats
+import re
 import statistics
 import sys
 import time
@@ -161,6 +162,12 @@ def step_ms(fn: Callable, params: Any, inputs: tuple) -> float:
     return (time.perf_counter() - t0) * 1e3
 
 
+def hlo_instructions(lowered: Any) -> int:
+    """Instructions of the HLO handed to XLA (before its optimisation passes)."""
+    text = lowered.as_text(dialect="hlo")
+    return len(re.findall(r"^\s*(?:ROOT )?%?[\w.\-]+ = ", text, re.MULTILINE))
+
+
 def _stats(values: list[float]) -> dict[str, float]:
     return {
         "median": statistics.median(values),
@@ -179,9 +186,8 @@ def measure(case: Case, qwix: Any, rounds: int, reps: int) -> list[dict[str, Any
             a, b = compile_once(make, params, case.inputs)
             lower[c].append(a)
             comp[c].append(b)
-    compiled = {
-        c: jax.jit(make()).lower(p, *case.inputs).compile() for c, (make, p) in configs.items()
-    }
+    lowered = {c: jax.jit(make()).lower(p, *case.inputs) for c, (make, p) in configs.items()}
+    compiled = {c: low.compile() for c, low in lowered.items()}
     steps: dict[str, list[float]] = {c: [] for c in configs}
     for _ in range(reps):
         for c, (_, params) in configs.items():
@@ -205,6 +211,7 @@ def measure(case: Case, qwix: Any, rounds: int, reps: int) -> list[dict[str, Any
                     [s / f for s, f in zip(steps[c], steps["float"], strict=True)]
                 ),
                 "rel_l2_error": float(np.linalg.norm(out - ref) / np.linalg.norm(ref)),
+                "hlo_instructions": hlo_instructions(lowered[c]),
             }
         )
         r = rows[-1]
@@ -238,20 +245,20 @@ def _fmt(s: dict[str, float], unit: str = "", digits: int = 2) -> str:
 def table(rows: list[dict[str, Any]]) -> str:
     """Markdown table: medians with p10–p90 in brackets; ratios to float of the same round."""
     lines = [
-        "| model | config | trace+lower s | compile s | total vs float | step ms (batch 1) "
-        "| step vs float | rel L2 err |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| model | config | trace+lower s | compile s | total vs float | HLO instrs "
+        "| step ms (batch 1) | step vs float | rel L2 err |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in rows:
         if "error" in r:
             error = r["error"].replace("|", "\\|")
-            lines.append(f"| {r['model']} | {r['config']} | fails: {error} ||||||")
+            lines.append(f"| {r['model']} | {r['config']} | fails: {error} |||||||")
             continue
         lines.append(
             f"| {r['model']} | {r['config']} | {_fmt(r['trace_lower_s'])} | "
             f"{_fmt(r['compile_s'])} | {_fmt(r['compile_ratio'], '×')} | "
-            f"{_fmt(r['step_ms'], '', 3)} | {_fmt(r['step_ratio'], '×')} | "
-            f"{r['rel_l2_error']:.1e} |"
+            f"{r['hlo_instructions']:,} | {_fmt(r['step_ms'], '', 3)} | "
+            f"{_fmt(r['step_ratio'], '×')} | {r['rel_l2_error']:.1e} |"
         )
     return "\n".join(lines)
 

@@ -66,11 +66,17 @@ def test_w8a8_kernel_matches_the_float64_product(name, m):
 
 
 # Flax einsum weights: (d, heads, head_dim) contracting d ("kn"), (heads, head_dim, d)
-# contracting both leading axes ("kn"), (heads, head_dim, d) contracting d ("nk").
+# contracting both leading axes ("kn"), (heads, head_dim, d) contracting d ("nk"); then
+# weights whose contracted axes are elsewhere, whose codes are transposed per call:
+# Gemma's fused k/v projection (2, d, kv_heads, head_dim) contracting d, a contraction
+# out of the weight's axis order and one over axes that are not adjacent.
 EINSUM_WEIGHTS = {
     "dhk,d": ((64, 4, 16), (0,)),
     "hkd,hk": ((4, 16, 64), (0, 1)),
     "hkd,d": ((4, 16, 64), (2,)),
+    "cdke,d": ((2, 64, 4, 16), (1,)),
+    "hkd,kh": ((4, 16, 64), (1, 0)),
+    "hdk,hk": ((4, 64, 16), (0, 2)),
 }
 
 
@@ -79,7 +85,7 @@ EINSUM_WEIGHTS = {
 @pytest.mark.parametrize("name", list(EINSUM_WEIGHTS))
 def test_weights_with_more_axes_take_the_kernels(name, m, act):
     shape, contracting = EINSUM_WEIGHTS[name]
-    free = tuple(a for a in range(3) if a not in contracting)
+    free = tuple(a for a in range(len(shape)) if a not in contracting)
     w = jax.random.normal(jax.random.key(3), shape)
     q = qcore.quantize(w, qcore.HowToQuantize(qtype="int8", channelwise_axes=free))
     k_shape = tuple(shape[a] for a in contracting)
@@ -96,9 +102,12 @@ def test_weights_with_more_axes_take_the_kernels(name, m, act):
     assert float(np.max(np.abs(y - ref)) / np.max(np.abs(ref))) < 1e-6
 
 
-def test_weights_the_reshape_cannot_flatten_use_the_general_path():
-    w = jax.random.normal(jax.random.key(3), (4, 64, 16))  # contracted axis in the middle
-    q = qcore.quantize(w, qcore.HowToQuantize(qtype="int8", channelwise_axes=(0, 2)))
+def test_weights_without_a_matrix_view_use_the_general_path():
+    # packed int4 with the contracted axis in the middle: its codes cannot be transposed
+    w = jax.random.normal(jax.random.key(3), (4, 64, 16))
+    q = qcore.quantize(
+        w, qcore.HowToQuantize(qtype="int4", channelwise_axes=(0, 2), pack=True, pack_axis=1)
+    )
     x = jax.random.normal(jax.random.key(4), (3, 64))
     dims = (((1,), (1,)), ((), ()))
     assert kernels.fast_dot_general(x, q, dims, None) is None

@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import qcore
-from qcore import HowToQuantize, QArray, dequantize, qtypes, quantize, testing
+from qcore import HowToQuantize, QArray, calibration, dequantize, qtypes, quantize, testing
 from qcore.metrics import mean_relative_error
 
 UNIFORM = [f"int{b}" for b in range(2, 9)] + ["int16"] + [f"uint{b}" for b in range(1, 9)]
@@ -253,6 +253,62 @@ def test_zero_constant_and_non_finite_inputs(qtype):
         assert np.isnan(out[0, :block]).all()
         np.testing.assert_array_equal(out[0, block:], clean[0, block:])
         np.testing.assert_array_equal(out[1], clean[1])
+
+
+class _AbsMaxByTheGeneralPath(calibration.AbsMax):
+    """AbsMax as any calibrator: ``scale_from_range`` on its ``(lo, hi)``."""
+
+
+EDGE_ROWS = [
+    [0.5, -1.5, 3.0, 0.25],  # ordinary: the bound is negative-free
+    [-3.0, 1.0, 2.0, -0.5],  # ... and negative
+    [0.0, 0.0, 0.0, 0.0],  # degenerate: scale 1
+    [1e-40, -3e-41, 0.0, 1e-45],  # subnormal: the smallest normal scale
+    [3.4e38, -1.0, 0.0, 2.0],  # within half a step of float32's maximum
+    [-3.4028235e38, 1.0, 0.0, 2.0],
+    [3.38e38, 1.0, 0.0, 2.0],  # just below the near-maximum rule
+    [np.inf, 1.0, 0.0, 2.0],  # non-finite blocks: NaN scale
+    [-np.inf, 1.0, 0.0, 2.0],
+    [np.nan, 1.0, 0.0, 2.0],
+]
+
+
+SHORTCUT_CASES = [
+    (qtype, clip, narrow, dtype)
+    for qtype in ALL_QTYPES
+    for clip, narrow, dtype in [(1.0, False, jnp.float32), (1.5, False, jnp.bfloat16)]
+    + ([(0.8, True, jnp.float32)] if qtypes.get(qtype).kind == "int" else [])
+]
+
+
+@pytest.mark.parametrize(("qtype", "clip", "narrow_range", "dtype"), SHORTCUT_CASES)
+def test_symmetric_absmax_shortcut_equals_the_general_path(qtype, clip, narrow_range, dtype):
+    # Symmetric absmax (dynamic activations use it) takes a shortcut in calibrate with
+    # fewer ops; it must give the general path's scales and ranges bit for bit.
+    qt = qtypes.get(qtype)
+    rows = np.array(EDGE_ROWS * 8, np.float32)  # 80 rows of 4, blocks of 1 row
+    x = jnp.asarray(np.tile(rows, (1, max(1, (qt.block_size or 1) // 4))), dtype)
+    tiles = {1: qt.block_size} if qt.block_size else {}
+
+    def how(cal):
+        return HowToQuantize(
+            qtype=qtype,
+            channelwise_axes=(0,),
+            tiled_axes=tiles,
+            calibration=cal,
+            narrow_range=narrow_range,
+        )
+
+    fast, general = how(calibration.AbsMax(clip)), how(_AbsMaxByTheGeneralPath(clip))
+    for run in (qcore.calibrate, jax.jit(qcore.calibrate, static_argnums=1)):
+        for a, b in zip(run(x, fast), run(x, general), strict=True):
+            if a is None:
+                assert b is None
+                continue
+            np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    # The shortcut is taken: its graph has no is_finite (the general path tests both ends).
+    assert "is_finite" not in str(jax.make_jaxpr(lambda v: qcore.calibrate(v, fast))(x))
+    assert "is_finite" in str(jax.make_jaxpr(lambda v: qcore.calibrate(v, general))(x))
 
 
 def test_tiny_inputs_get_finite_scales():

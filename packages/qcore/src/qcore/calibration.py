@@ -85,7 +85,7 @@ def _absmax(x: jax.Array, axes: Axes) -> jax.Array:
     """
     x = jnp.asarray(x, jnp.float32)
     m = jnp.max(jnp.abs(x), axis=tuple(axes), keepdims=True, initial=0.0)
-    return jnp.where(m <= _MAX, m, jnp.float32(jnp.nan))
+    return numerics._select(m <= _MAX, m, jnp.nan)
 
 
 def _minmax(x: jax.Array, axes: Axes) -> tuple[jax.Array, jax.Array]:
@@ -119,8 +119,15 @@ class AbsMax:
     clip: float = 1.0
 
     def __call__(self, x, axes, *, qtype, symmetric=True, narrow_range=False):  # noqa: D102
-        m = jnp.minimum(_absmax(x, axes) * self.clip, _MAX)
+        m = self.bound(x, axes)
         return -m, m
+
+    def bound(self, x: jax.Array, axes: Axes) -> jax.Array:
+        """``clip · max|x|`` per block, at most float32's maximum; ``NaN`` if not finite."""
+        m = _absmax(x, axes)
+        if self.clip == 1.0:
+            return m  # already within float32's range (x · 1 and min(x, max) are x)
+        return jnp.minimum(m * self.clip, _MAX)
 
 
 @dataclasses.dataclass(frozen=True)

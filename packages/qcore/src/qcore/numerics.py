@@ -86,7 +86,7 @@ def round_values(
     """
     check_rounding(rounding)
     if rounding == "nearest_even":
-        return jnp.round(x)
+        return jax.lax.round(x, jax.lax.RoundingMethod.TO_NEAREST_EVEN)
     if rounding == "away_from_zero":
         return jnp.sign(x) * jnp.floor(jnp.abs(x) + 0.5)
     if key is None:
@@ -97,7 +97,20 @@ def round_values(
 
 def saturate(x: jax.Array, lo: float | jax.Array, hi: float | jax.Array) -> jax.Array:
     """Clips to ``[lo, hi]``; ``±inf`` saturate to the bounds, ``NaN`` stays ``NaN``."""
-    return jnp.clip(x, lo, hi)
+    # jnp.clip's arithmetic without its nested jit: each nested call is one more
+    # computation for XLA to inline, per quantization in a model.
+    return jnp.minimum(jnp.maximum(x, lo), hi)
+
+
+def _select(condition: jax.Array, x: jax.Array | float, y: jax.Array | float) -> jax.Array:
+    """``jnp.where(condition, x, y)`` for float32 operands, without a nested jit.
+
+    The quantization arithmetic runs once per quantized op of a model; ``jnp.where``
+    traces a nested ``jit`` call each time, which XLA must inline again.
+    """
+    shape = jnp.broadcast_shapes(jnp.shape(condition), jnp.shape(x), jnp.shape(y))
+    x, y = (jnp.broadcast_to(jnp.asarray(a, jnp.float32), shape) for a in (x, y))
+    return jax.lax.select(jnp.broadcast_to(condition, shape), x, y)
 
 
 @jax.custom_jvp
@@ -145,11 +158,15 @@ def _scale(width: jax.Array, denominator: float | jax.Array, qtype: QType) -> ja
     ``width`` is zero only for a degenerate block (it is tested rather than the
     quotient, which XLA:CPU flushes to zero when subnormal); ``NaN`` stays ``NaN``.
     """
+    return _scale_of_quotient(width, width / denominator, qtype)
+
+
+def _scale_of_quotient(width: jax.Array, quotient: jax.Array, qtype: QType) -> jax.Array:
+    """:func:`_scale` given ``width / denominator`` already."""
     # int1 has no zero level: a degenerate (e.g. all-zero) block gets the
     # smallest normal scale, so it dequantizes to ±1.2e-38 rather than ±1.
     fallback = _TINY if qtype.kind == "binary" else 1.0
-    scale = jnp.clip(width / denominator, _TINY, _MAX)
-    return jnp.where(width == 0, jnp.full_like(scale, fallback), scale)
+    return _select(width == 0, fallback, saturate(quotient, _TINY, _MAX))
 
 
 def divide(x: jax.Array, scale: jax.Array) -> jax.Array:
@@ -161,7 +178,7 @@ def divide(x: jax.Array, scale: jax.Array) -> jax.Array:
     and ``x`` are first multiplied by ``2**-64`` (exact).
     """
     scale = jnp.asarray(scale, jnp.float32)
-    shrink = jnp.where(scale > 2.0**64, jnp.float32(2.0**-64), jnp.float32(1.0))
+    shrink = _select(scale > 2.0**64, 2.0**-64, 1.0)
     return (jnp.asarray(x, jnp.float32) * shrink) / (scale * shrink)
 
 
@@ -197,16 +214,7 @@ def scale_from_range(
     nan = jnp.float32(jnp.nan)
     if symmetric:
         bound = jnp.maximum(jnp.abs(lo), jnp.abs(hi)) if qtype.signed else jnp.maximum(hi, 0.0)
-        denominator = symmetric_denominator(qtype, narrow_range)
-        scale = _scale(bound, denominator, qtype)
-        if denominator != qtype.qmax:
-            # qmin · bound / (qmax + 0.5) overflows for bounds within half a step of
-            # float32's maximum: such blocks map the bound to qmax, as narrow ranges do.
-            near_max = bound > _MAX * (denominator / -qtype.qmin)
-            scale = jnp.where(near_max, _scale(bound, qtype.qmax, qtype), scale)
-        if qtype.scale_dtype == "float8_e8m0fnu":
-            scale = jnp.exp2(jnp.ceil(jnp.log2(scale)))
-        return jnp.where(bad, nan, scale), None
+        return _select(bad, nan, scale_from_bound(bound, qtype, narrow_range)), None
     if not qtype.supports_asymmetric:
         raise ValueError(
             f"symmetric=False needs a uniform integer qtype; qtype={qtype.name!r} "
@@ -224,6 +232,39 @@ def scale_from_range(
     scale = jnp.where(bad, nan, _scale(width, jnp.where(wide, 1.0, n), qtype))
     zero_point = jnp.clip(jnp.round(qmin - divide(lo, scale)), qmin, qmax)
     return scale, zero_point
+
+
+def scale_from_bound(bound: jax.Array, qtype: QType, narrow_range: bool = False) -> jax.Array:
+    """The symmetric float32 scale of blocks whose calibrated bound is ``bound``.
+
+    Args:
+        bound: ``max(|lo|, |hi|)`` per block (``max(hi, 0)`` for unsigned types),
+            finite or ``NaN``.
+        qtype: Target type.
+        narrow_range: See :func:`int_range`.
+
+    Returns:
+        ``bound / symmetric_denominator(...)`` made usable as in
+        :func:`scale_from_range` (which calls this; it also maps an infinite range
+        end to ``NaN``, which this leaves to the caller). ``NaN`` stays ``NaN``.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from qcore import qtypes
+        >>> scale_from_bound(jnp.array([127.5, 0.0, jnp.nan]), qtypes.get("int8"))
+        Array([ 1.,  1., nan], dtype=float32)
+    """
+    denominator = symmetric_denominator(qtype, narrow_range)
+    scale = bound / denominator
+    if denominator != qtype.qmax:
+        # qmin · bound / (qmax + 0.5) overflows for bounds within half a step of
+        # float32's maximum: such blocks map the bound to qmax, as narrow ranges do.
+        near_max = bound > _MAX * (denominator / -qtype.qmin)
+        scale = _select(near_max, bound / qtype.qmax, scale)
+    scale = _scale_of_quotient(bound, scale, qtype)
+    if qtype.scale_dtype == "float8_e8m0fnu":
+        scale = jnp.exp2(jnp.ceil(jnp.log2(scale)))
+    return scale
 
 
 def encode(
@@ -251,7 +292,7 @@ def encode(
     """
     check_rounding(rounding, qtype)
     v = jnp.asarray(v, jnp.float32)
-    v = jnp.where(jnp.isnan(v), jnp.zeros_like(v), v)
+    v = _select(jnp.isnan(v), 0.0, v)
     dtype = qtype.storage_dtype
     if qtype.kind == "int":
         qmin, qmax = int_range(qtype, narrow_range)
@@ -282,7 +323,7 @@ def _lowest_tie_to_qmin(v: jax.Array, qmin: float) -> jax.Array:
     """
     edge = qmin + 0.5
     near = (v >= edge) & (v < edge + abs(edge) * 2.0**-19)
-    return jnp.where(near, jnp.float32(qmin), v)
+    return _select(near, qmin, v)
 
 
 def decode(codes: jax.Array, qtype: QType) -> jax.Array:

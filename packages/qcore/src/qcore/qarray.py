@@ -840,17 +840,25 @@ def _calibrate(x: jax.Array, how: HowToQuantize):
     x = _exact_input(x)
     xb, axes = _calibration_view(x.astype(jnp.float32), sshape)
     calibrator = calibration_lib.parse(how.calibration)
-    lo, hi = calibrator(
-        xb, axes, qtype=qtype, symmetric=how.symmetric, narrow_range=how.narrow_range
-    )
-    lo, hi = lo.reshape(sshape), hi.reshape(sshape)
-    if not isinstance(calibrator, calibration_lib.BUILTINS):
-        # Built-ins give non-finite blocks a NaN range themselves (see calibration).
-        finite = _block_all_finite(x, sshape)
-        lo, hi = (jnp.where(finite, jnp.asarray(r, jnp.float32), jnp.nan) for r in (lo, hi))
-    scale, zero_point = numerics.scale_from_range(
-        lo, hi, qtype, symmetric=how.symmetric, narrow_range=how.narrow_range
-    )
+    if how.symmetric and type(calibrator) is calibration_lib.AbsMax:
+        # The common case, dynamic activations included, in fewer ops (a model has
+        # one per quantized op and XLA's compile time grows with them): the bound is
+        # ``hi`` itself, finite or NaN, which scale_from_range would recompute.
+        hi = calibrator.bound(xb, axes).reshape(sshape)
+        lo, zero_point = -hi, None
+        scale = numerics.scale_from_bound(hi, qtype, how.narrow_range)
+    else:
+        lo, hi = calibrator(
+            xb, axes, qtype=qtype, symmetric=how.symmetric, narrow_range=how.narrow_range
+        )
+        lo, hi = lo.reshape(sshape), hi.reshape(sshape)
+        if not isinstance(calibrator, calibration_lib.BUILTINS):
+            # Built-ins give non-finite blocks a NaN range themselves (see calibration).
+            finite = _block_all_finite(x, sshape)
+            lo, hi = (jnp.where(finite, jnp.asarray(r, jnp.float32), jnp.nan) for r in (lo, hi))
+        scale, zero_point = numerics.scale_from_range(
+            lo, hi, qtype, symmetric=how.symmetric, narrow_range=how.narrow_range
+        )
     if zero_point is not None:
         # Integral and within the code range, so the codes' dtype holds it exactly; a
         # non-finite block's NaN zero point is stored as 0 (its NaN scale remains).
