@@ -325,3 +325,34 @@ def test_ragged_dot_of_plain_arrays_is_lax_ragged_dot():
     x, w = normal((M, K), 7), normal((G, K, N), 8)
     gs = jnp.array([4, 4, 2], jnp.int32)
     np.testing.assert_array_equal(qcore.ragged_dot(x, w, gs), lax.ragged_dot(x, w, gs))
+
+
+def test_tile_scales_are_broadcast_not_gathered():
+    # A weight with sub-channel tiles has its scales repeated up to the weight's
+    # shape. jnp.repeat does it with a scatter, a cumsum and a gather (37 ms per step
+    # on a small int4 ResNet against float's 14); a broadcast gives the same values.
+    w = jax.random.normal(jax.random.key(0), (3, 3, 256, 64))
+    qw = quantize(w, HowToQuantize(qtype="int4", channelwise_axes=(3,), tiled_axes={2: 128}))
+    x = jax.random.normal(jax.random.key(1), (1, 8, 8, 256))
+    dn = ("NHWC", "HWIO", "NHWC")
+
+    def conv(x, qw):
+        return qcore.conv_general_dilated(x, qw, (1, 1), "SAME", dimension_numbers=dn)
+
+    text = str(jax.make_jaxpr(conv)(x, qw))
+    assert "gather" not in text and "scatter" not in text
+    ref = lax.conv_general_dilated(
+        np.asarray(x, np.float64),
+        np.asarray(dequantize(qw), np.float64),
+        (1, 1),
+        "SAME",
+        dimension_numbers=dn,
+    )
+    y = np.asarray(conv(x, qw), np.float64)
+    assert float(np.max(np.abs(y - ref)) / np.max(np.abs(ref))) < 1e-5
+
+    k = jax.random.normal(jax.random.key(2), (256, 64))
+    qk = quantize(k, HowToQuantize(qtype="int8", channelwise_axes=(1,), tiled_axes={0: 64}))
+    xs = jax.random.normal(jax.random.key(3), (4, 256))
+    text = str(jax.make_jaxpr(qcore.dot)(xs, qk))
+    assert "gather" not in text and "scatter" not in text

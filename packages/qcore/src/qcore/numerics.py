@@ -113,6 +113,26 @@ def _select(condition: jax.Array, x: jax.Array | float, y: jax.Array | float) ->
     return jax.lax.select(jnp.broadcast_to(condition, shape), x, y)
 
 
+def repeat(a: jax.Array, times: int, axis: int) -> jax.Array:
+    """``jnp.repeat(a, times, axis)`` as a broadcast and a reshape.
+
+    ``jnp.repeat`` builds its index with a scatter, a cumsum and a gather, even for a
+    static count; scales repeated up to a tiled weight's shape on every call made a
+    small int4 ResNet's step 2.7x float's. The broadcast is a view XLA fuses.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> repeat(jnp.array([[1.0, 2.0]]), 2, axis=1)
+        Array([[1., 1., 2., 2.]], dtype=float32)
+    """
+    if times == 1:
+        return a
+    axis %= a.ndim
+    shape = a.shape[: axis + 1] + (times,) + a.shape[axis + 1 :]
+    out = jnp.broadcast_to(jnp.expand_dims(a, axis + 1), shape)
+    return out.reshape(a.shape[:axis] + (a.shape[axis] * times,) + a.shape[axis + 1 :])
+
+
 @jax.custom_jvp
 def round_ste(x: jax.Array) -> jax.Array:
     """Round half to even with a straight-through (identity) gradient."""

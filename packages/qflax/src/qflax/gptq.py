@@ -270,7 +270,7 @@ def _expand(a: jax.Array, shape: tuple[int, ...]) -> jax.Array:
     """A scale-shaped array repeated to the value's full shape (generic broadcast)."""
     for i, (d, s) in enumerate(zip(shape, a.shape, strict=True)):
         if d != s:
-            a = jnp.repeat(a, d // s, axis=i)
+            a = qcore.numerics.repeat(a, d // s, i)
     return a
 
 

@@ -50,6 +50,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from qcore import numerics
 from qcore.ops import _backend, kernels
 from qcore.ops.operand import Operand, as_input, expand, operand, preferred_dtype, promote
 from qcore.qarray import QArray
@@ -264,7 +265,7 @@ def _canonical(x: Operand, contracting, batch, groups) -> tuple[Operand, int, in
 def expand_axis(a: Array, axis: int, size: int) -> Array:
     """Repeats ``a`` along ``axis`` from a divisor of ``size`` up to ``size``."""
     s = a.shape[axis]
-    return a if s == size else jnp.repeat(a, size // s, axis=axis, total_repeat_length=size)
+    return numerics.repeat(a, size // s, axis)
 
 
 def _groups(a: Operand, b: Operand, lc, rc) -> list[int]:

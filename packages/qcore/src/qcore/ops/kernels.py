@@ -44,6 +44,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from qcore import numerics
 from qcore.ops import _backend
 
 f32, bf16, i8, i32 = jnp.float32, jnp.bfloat16, jnp.int8, jnp.int32
@@ -274,7 +275,7 @@ def int4_packed_weight_only(
     def blk(ps):
         p, s = ps
         lo, hi = _unpack_nk(p)  # (bn, K/2) each
-        s_half = jnp.repeat(s, gs // 2, axis=1)  # (bn, K/2) scale per code
+        s_half = numerics.repeat(s, gs // 2, 1)  # (bn, K/2) scale per code
         wl = (lo.astype(f32) * s_half).astype(cdt)
         wh = (hi.astype(f32) * s_half).astype(cdt)
         return lax.dot_general(wl, xe, _DN_LAST, preferred_element_type=f32) + lax.dot_general(
@@ -316,7 +317,7 @@ def _int4_kn_m1(x, w_packed, w_scale, group_size, bk):
         out1 = out1 + x3[:, j, 0, None] * lo.astype(f32) + x3[:, j, 1, None] * hi.astype(f32)
     grouped = group_size is not None and w_scale.shape[0] > 1
     if grouped:
-        out1 = out1 * jnp.repeat(w_scale, p_rows // w_scale.shape[0], axis=0)
+        out1 = out1 * numerics.repeat(w_scale, p_rows // w_scale.shape[0], 0)
     y = jnp.ones((1, p_rows), f32) @ out1
     return y if grouped else y * w_scale
 
@@ -341,7 +342,7 @@ def _int4_kn(x, w_packed, w_scale, group_size, precision, block):
     q = w_packed.reshape(nb, hb, n)  # uint8, decoded per block (see _int4_kn_m1)
     if grouped:
         per = (k // w_scale.shape[0]) // (2 * hb)  # blocks per group
-        sc = jnp.repeat(w_scale, per, axis=0)[:, None, :]  # (nb, 1, N)
+        sc = numerics.repeat(w_scale, per, 0)[:, None, :]  # (nb, 1, N)
     else:
         sc = jnp.ones((nb, 1, n), f32)
 

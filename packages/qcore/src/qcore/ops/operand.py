@@ -121,7 +121,7 @@ def expand(a: Array, shape: tuple[int, ...]) -> Array:
     """
     for axis, (s, d) in enumerate(zip(a.shape, shape, strict=True)):
         if s not in (1, d):
-            a = jnp.repeat(a, d // s, axis=axis, total_repeat_length=d)
+            a = numerics.repeat(a, d // s, axis)
     return a
 
 
