@@ -1,5 +1,7 @@
 """QArray, quantize and dequantize: invariants, closed forms, quality and errors."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -255,8 +257,14 @@ def test_zero_constant_and_non_finite_inputs(qtype):
         np.testing.assert_array_equal(out[1], clean[1])
 
 
-class _AbsMaxByTheGeneralPath(calibration.AbsMax):
-    """AbsMax as any calibrator: ``scale_from_range`` on its ``(lo, hi)``."""
+@dataclasses.dataclass(frozen=True)
+class _AbsMaxByTheGeneralPath:
+    """AbsMax as a user's calibrator (no ``bound``): ``scale_from_range`` on its range."""
+
+    clip: float
+
+    def __call__(self, x, axes, **kw):
+        return calibration.AbsMax(self.clip)(x, axes, **kw)
 
 
 EDGE_ROWS = [

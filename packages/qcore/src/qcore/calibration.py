@@ -123,7 +123,11 @@ class AbsMax:
         return -m, m
 
     def bound(self, x: jax.Array, axes: Axes) -> jax.Array:
-        """``clip · max|x|`` per block, at most float32's maximum; ``NaN`` if not finite."""
+        """``clip · max|x|`` per block, at most float32's maximum; ``NaN`` if not finite.
+
+        A symmetric calibration uses it as the scale's bound directly (the range is
+        ``(-bound, bound)``), skipping :func:`qcore.numerics.scale_from_range`.
+        """
         m = _absmax(x, axes)
         if self.clip == 1.0:
             return m  # already within float32's range (x · 1 and min(x, max) are x)

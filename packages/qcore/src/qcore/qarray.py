@@ -840,11 +840,13 @@ def _calibrate(x: jax.Array, how: HowToQuantize):
     x = _exact_input(x)
     xb, axes = _calibration_view(x.astype(jnp.float32), sshape)
     calibrator = calibration_lib.parse(how.calibration)
-    if how.symmetric and type(calibrator) is calibration_lib.AbsMax:
-        # The common case, dynamic activations included, in fewer ops (a model has
-        # one per quantized op and XLA's compile time grows with them): the bound is
-        # ``hi`` itself, finite or NaN, which scale_from_range would recompute.
-        hi = calibrator.bound(xb, axes).reshape(sshape)
+    bound = getattr(calibrator, "bound", None)
+    if how.symmetric and bound is not None:
+        # A calibrator with a ``bound`` (absmax: the common case, dynamic activations
+        # included) gives it directly, in fewer ops than scale_from_range recomputing
+        # it from ``(-bound, bound)``; a model has one per quantized op and XLA's
+        # compile time grows with them.
+        hi = bound(xb, axes).reshape(sshape)
         lo, zero_point = -hi, None
         scale = numerics.scale_from_bound(hi, qtype, how.narrow_range)
     else:
