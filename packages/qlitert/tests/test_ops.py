@@ -1,5 +1,8 @@
 """Op coverage: each op becomes the TFLite int8 kernel it should, validated against JAX."""
 
+import subprocess
+import sys
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -103,6 +106,44 @@ def test_unsupported_ops_stay_float_when_not_strict():
     tfl = qlitert.export(annotated, x)  # the annotation allows the float op it made
     names = qlitert.inspect(tfl).op_names()
     assert names[:3] == ["QUANTIZE", "CONV_2D", "DEQUANTIZE"] and "SIN" in names
+
+
+_ARGMAX_MODEL = """
+import flax.linen as nn, jax, jax.numpy as jnp, numpy as np
+import qlitert
+
+class Classify(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return jnp.argmax(nn.Dense(10)(nn.relu(nn.Dense(16)(x))), axis=-1)
+
+x = np.random.default_rng(0).normal(size=(8, 12)).astype(np.float32)
+params = Classify().init(jax.random.key(0), x)
+fn = lambda v: Classify().apply(params, v)
+cal = qlitert.calibrate(fn, [x], strict=False)
+tfl = qlitert.export(qlitert.annotate(fn, cal), x)
+report = qlitert.inspect(tfl)
+assert report.tensors[report.outputs[0]].dtype == "INT32", report.tensors[report.outputs[0]]
+y = qlitert.LiteRTModel(tfl)(x)
+assert y.dtype == np.int32 and y.shape == (8,), (y.dtype, y.shape)
+print("agree", float(np.mean(y == np.asarray(fn(x)))))
+"""
+
+
+def test_an_integer_result_of_a_float_op_is_not_quantized():
+    # Issue 21: a non-strict argmax output got a quantization site, and the converter
+    # crashed the process (SIGSEGV) on the int32 fake quant; hence the subprocess.
+    run = subprocess.run(
+        [sys.executable, "-c", _ARGMAX_MODEL], capture_output=True, text=True, timeout=600
+    )
+    assert run.returncode == 0, (run.returncode, run.stderr[-2000:])
+    agree = float(run.stdout.split("agree")[-1])
+    assert agree >= 0.75  # int8 Dense layers: most of the 8 predicted classes agree
+
+
+def test_fake_quant_refuses_integer_values():
+    with pytest.raises(TypeError, match=r"x has dtype int32; allowed: a floating-point"):
+        qlitert.qdq.fake_quant(jnp.arange(4, dtype=jnp.int32), 0.1)
 
 
 def test_average_pooling_with_padding_is_named_in_strict_mode():

@@ -444,7 +444,10 @@ class Interpreter:
         name = eqn.primitive.name
         self.seen.add(None)
         xs = [self.materialize(x, q, eqn, name, float_op=True)[0] for x, q in ins]
-        return [(o, Rep("float")) for o in _bind(eqn, xs)]
+        # An integer result (argmax, a comparison's indices) is data, not a float
+        # activation: it is never quantized.
+        outs = zip(_bind(eqn, xs), eqn.outvars, strict=True)
+        return [(o, Rep("int" if _integer([v]) else "float")) for o, v in outs]
 
     def contraction(self, eqn: Any, ins: list[tuple[Any, Rep]], types: rules.OpTypes) -> tuple:
         """A matmul/convolution: a constant weight is deferred to fold what follows."""

@@ -283,7 +283,7 @@ def fake_quant(
     ``axis`` for per-channel scales) holding a NaN or inf comes back all NaN.
 
     Args:
-        x: A float array.
+        x: A floating-point array.
         scale: One scale, or one per index of ``axis``.
         zero_point: Integer zero point(s) like ``scale``; None for 0.
         narrow_range: Skip the most negative code (symmetric weights).
@@ -297,7 +297,15 @@ def fake_quant(
         composite: False returns the same numerics without the annotation
             (differentiable by ``jax.grad``, which composites are not).
         dtype: Deprecated spelling of ``qtype`` (TFLite's ``"i8"``, ``"i16"``, ``"i4"``).
+
+    Raises:
+        TypeError: For an integer or boolean ``x``: such tensors are not quantized.
     """
+    x = jnp.asarray(x)
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        # An integer tensor (indices, an argmax) has no scale: a fake quant on it
+        # crashed litert-converter 0.5.0 with a segmentation fault.
+        raise TypeError(f"x has dtype {x.dtype}; allowed: a floating-point array")
     name = qtype_name(qtype, dtype=dtype)
     qmin, qmax = RANGES[name]
     qmin += int(narrow_range)
