@@ -42,10 +42,13 @@ class ConvThen(nn.Module):
         (lambda h: h[:, 0], ["SLICE", "RESHAPE"]),
         (lambda h: jnp.transpose(h, (0, 3, 1, 2)), ["TRANSPOSE"]),
         (lambda h: jnp.concatenate([h, jnp.tanh(h)], axis=-1), ["TANH", "CONCATENATION"]),
+        (lambda h: jnp.max(h, axis=(1, 2)), ["REDUCE_MAX"]),  # global max pooling
+        (lambda h: h[..., ::-1], ["GATHER_ND"]),  # REVERSE_V2 stays float in the converter
     ],
     ids=[
         "pad", "pad-value", "resize-nearest", "resize-linear", "repeat", "sum", "clip",
         "leaky-relu", "silu", "hard-silu", "strided-slice", "index", "transpose", "concat",
+        "global-max", "reverse",
     ],
 )  # fmt: skip
 def test_op_becomes_an_int8_kernel(op, kernels):
@@ -144,6 +147,57 @@ def test_an_integer_result_of_a_float_op_is_not_quantized():
 def test_fake_quant_refuses_integer_values():
     with pytest.raises(TypeError, match=r"x has dtype int32; allowed: a floating-point"):
         qlitert.qdq.fake_quant(jnp.arange(4, dtype=jnp.int32), 0.1)
+
+
+class MaskedDense(nn.Module):
+    @nn.compact
+    def __call__(self, x, mask):
+        h = nn.relu(nn.Dense(16)(x))
+        return nn.Dense(4)(h * mask.astype(jnp.float32)[:, :, None])
+
+
+def test_an_integer_mask_converted_to_float_is_quantized():
+    # Issue 21, bug 4: the int -> float convert was skipped, so the mask stayed int32
+    # (strict: broadcast_in_dim refused; non-strict: "lax.mul ... float32, int32").
+    x = RNG.normal(size=(2, 6, 8)).astype(np.float32)
+    mask = (RNG.uniform(size=(2, 6)) > 0.3).astype(np.int32)
+    params = MaskedDense().init(jax.random.key(0), x, mask)
+
+    def fn(v, m):
+        return MaskedDense().apply(params, v, m)
+
+    cal = qlitert.calibrate(fn, [(x, mask)])
+    tfl = qlitert.export(qlitert.annotate(fn, cal), x, mask)  # validated
+    report = qlitert.inspect(tfl)
+    names = report.op_names()
+    cast = names.index("CAST")
+    assert names[cast + 1] == "QUANTIZE" and "MUL" in names
+    for op in report.ops[1:-1]:
+        if op.name not in ("CAST", "QUANTIZE"):  # the mask's way in, as a graph input's
+            ins, outs = report.op_types(op)
+            assert set(ins + outs) <= {"INT8", "INT32", "INT64"}, (op.name, ins, outs)
+    y = qlitert.LiteRTModel(tfl)(x, mask)
+    ref = np.asarray(fn(x, mask), np.float64)
+    assert np.linalg.norm(y - ref) / np.linalg.norm(ref) < 0.03
+    assert np.array_equal(y[mask == 0], np.broadcast_to(y[mask == 0][:1], y[mask == 0].shape))
+
+
+def test_a_mask_feeding_float_arithmetic_is_still_float_compute():
+    # The CAST into the quantized graph is allowed; the float op after it is not.
+    x = RNG.normal(size=(2, 6, 8)).astype(np.float32)
+    mask = (RNG.uniform(size=(2, 6)) > 0.3).astype(np.int32)
+    dense = nn.Dense(4)
+    params = dense.init(jax.random.key(0), x)
+
+    def fn(v, m):
+        return dense.apply(params, v) * jnp.sin(m.astype(jnp.float32))[:, :, None]
+
+    cal = qlitert.calibrate(fn, [(x, mask)], strict=False)
+    with pytest.raises(qlitert.ExportError, match=r"SIN computes in \['FLOAT32'\]") as error:
+        qlitert.export(qlitert.annotate(fn, cal), x, mask, compute_types=("INT8", "INT32"))
+    assert "CAST" not in str(error.value)
+    names = qlitert.inspect(qlitert.export(qlitert.annotate(fn, cal), x, mask)).op_names()
+    assert "CAST" in names and "SIN" in names  # float allowed where the annotation made it
 
 
 def test_average_pooling_with_padding_is_named_in_strict_mode():

@@ -168,14 +168,32 @@ def check_kernels(report: ModelReport, compute_types: Sequence[str] = INTEGER_TY
     """Problems with the op types: disallowed types, or a DEQUANTIZE mid-graph.
 
     With ``FLOAT32`` allowed (float modules), QUANTIZE / DEQUANTIZE may sit anywhere.
+    Integer data entering the quantized graph (``mask.astype(jnp.float32)``: a CAST
+    from an integer type to FLOAT32 that only QUANTIZE ops read) is allowed like a
+    graph input: it holds integers, and no float arithmetic is done on them.
     """
     problems = []
     graph_inputs, graph_outputs = set(report.inputs), set(report.outputs)
     allowed = set(compute_types)
     mixed = "FLOAT32" in allowed
+    readers: dict[int, list[str]] = {}
+    for op in report.ops:
+        for i in op.inputs:
+            readers.setdefault(i, []).append(op.name)
+    entering = {
+        o
+        for op in report.ops
+        if op.name == "CAST"
+        and set(report.op_types(op)[0]) <= {"INT8", "INT16", "INT32", "INT64", "BOOL"}
+        for o in op.outputs
+        if readers.get(o) and set(readers[o]) == {"QUANTIZE"}
+    }
     for k, op in enumerate(report.ops):
         ins, outs = report.op_types(op)
-        if op.name == "QUANTIZE" and (mixed or all(i in graph_inputs for i in op.inputs)):
+        if op.name == "CAST" and op.outputs and set(op.outputs) <= entering:
+            continue
+        starts = graph_inputs | entering
+        if op.name == "QUANTIZE" and (mixed or all(i in starts for i in op.inputs)):
             continue
         if op.name == "DEQUANTIZE":
             if mixed or all(o in graph_outputs for o in op.outputs):

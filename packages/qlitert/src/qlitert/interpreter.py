@@ -29,6 +29,7 @@ from qlitert.calibration import Calibration, update_range
 PRESERVING = {
     "reshape", "transpose", "squeeze", "expand_dims", "slice", "dynamic_slice",
     "reduce_window_max", "copy", "copy_p", "broadcast_in_dim", "pad", "gather",
+    "reduce_max", "rev",
 }  # fmt: skip
 # Ops that compute a new value: inputs quantized, output quantized at its own range.
 COMPUTING = {
@@ -385,7 +386,13 @@ class Interpreter:
             with jax.ensure_compile_time_eval():
                 return [(o, Rep("const")) for o in _bind(eqn, values)]
         if name == "convert_element_type" and jnp.issubdtype(eqn.params["new_dtype"], jnp.floating):
-            return [ins[0]]
+            if kinds[0] != "int":
+                return [ins[0]]  # float to float: the same values, the same site
+            # Integers to float (a mask): LiteRT's CAST, then a quantization site of its own.
+            types = self.types(eqn)
+            if types.act is None:
+                return self.float_op(eqn, ins)
+            return [self.site(_bind(eqn, values)[0], eqn, name, types)]
         if all(k in ("int", "const") for k in kinds) and _integer(eqn.outvars):
             return [(o, Rep("int")) for o in _bind(eqn, values)]  # index arithmetic, masks
         types = self.types(eqn)
@@ -408,11 +415,11 @@ class Interpreter:
         if name == "div" and kinds == ["pending", "const"]:
             return [(_bind(eqn, values)[0], ins[0][1])]
         if name in PRESERVING and kinds[0] == "pending":  # same values: quantize later
-            return [(o, ins[0][1]) for o in _bind(eqn, values)]
+            return [(o, ins[0][1]) for o in _preserve(eqn, values)]
         if name in PRESERVING and kinds[0] in ("q", "float", "const"):
             # (A constant here is a table that gather/dynamic_slice look up: int8 too.)
             x, q = self.materialize(values[0], ins[0][1], eqn, name)
-            return [(o, q) for o in _bind(eqn, [x, *values[1:]])]
+            return [(o, q) for o in _preserve(eqn, [x, *values[1:]])]
         if name == "concatenate":
             # TFLite's CONCATENATION shares one scale: the converter writes a matmul/
             # convolution output feeding it at the concat's scale (one rounding) and
@@ -545,6 +552,21 @@ def _scalar(v: Any) -> jax.Array:
 def _integer(avals: list[Any]) -> bool:
     """Whether all are integer or boolean (indices, masks): never quantized."""
     return all(jnp.issubdtype(v.aval.dtype, jnp.integer) or v.aval.dtype == bool for v in avals)
+
+
+def _preserve(eqn: Any, values: list[Any]) -> list[Any]:
+    """A preserving op's result; a reversal as a gather of reversed indices.
+
+    litert-converter 0.5.0 keeps StableHLO's ``reverse`` (``x[..., ::-1]``) as a
+    float32 ``REVERSE_V2`` between a DEQUANTIZE and a QUANTIZE; a gather becomes an
+    int8 ``GATHER_ND``. The values are the same.
+    """
+    if eqn.primitive.name != "rev":
+        return _bind(eqn, values)
+    x = values[0]
+    for d in eqn.params["dimensions"]:
+        x = jnp.take(x, np.arange(x.shape[d] - 1, -1, -1), axis=d, mode="clip")
+    return [x]
 
 
 def _bind(eqn: Any, values: list[Any]) -> list[Any]:
