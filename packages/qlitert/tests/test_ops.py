@@ -43,12 +43,16 @@ class ConvThen(nn.Module):
         (lambda h: jnp.transpose(h, (0, 3, 1, 2)), ["TRANSPOSE"]),
         (lambda h: jnp.concatenate([h, jnp.tanh(h)], axis=-1), ["TANH", "CONCATENATION"]),
         (lambda h: jnp.max(h, axis=(1, 2)), ["REDUCE_MAX"]),  # global max pooling
+        (lambda h: jnp.max(h, axis=(1, 2), initial=-jnp.inf), ["REDUCE_MAX"]),
         (lambda h: h[..., ::-1], ["GATHER_ND"]),  # REVERSE_V2 stays float in the converter
+        (jax.nn.log_softmax, ["LOG_SOFTMAX"]),
+        (lambda h: jnp.log(jnp.abs(h) + 1.0), ["ABS", "ADD", "LOG"]),
+        (lambda h: h - jnp.max(h, axis=-1, keepdims=True), ["REDUCE_MAX", "SUB"]),
     ],
     ids=[
         "pad", "pad-value", "resize-nearest", "resize-linear", "repeat", "sum", "clip",
         "leaky-relu", "silu", "hard-silu", "strided-slice", "index", "transpose", "concat",
-        "global-max", "reverse",
+        "global-max", "global-max-initial", "reverse", "log-softmax", "log", "minus-max",
     ],
 )  # fmt: skip
 def test_op_becomes_an_int8_kernel(op, kernels):
@@ -198,6 +202,16 @@ def test_a_mask_feeding_float_arithmetic_is_still_float_compute():
     assert "CAST" not in str(error.value)
     names = qlitert.inspect(qlitert.export(qlitert.annotate(fn, cal), x, mask)).op_names()
     assert "CAST" in names and "SIN" in names  # float allowed where the annotation made it
+
+
+def test_log_softmax_in_int16_is_refused():
+    x = RNG.normal(size=(2, 4, 4, 3)).astype(np.float32)
+    model = ConvThen(jax.nn.log_softmax)
+    params = model.init(jax.random.key(0), x)
+    with pytest.raises(qlitert.UnsupportedOpError, match="LOG_SOFTMAX kernel takes int8 only"):
+        qlitert.calibrate(
+            lambda v: model.apply(params, v), [x], rules=qlitert.Rule(act_qtype="int16")
+        )
 
 
 def test_average_pooling_with_padding_is_named_in_strict_mode():

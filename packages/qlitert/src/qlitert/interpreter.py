@@ -29,12 +29,12 @@ from qlitert.calibration import Calibration, update_range
 PRESERVING = {
     "reshape", "transpose", "squeeze", "expand_dims", "slice", "dynamic_slice",
     "reduce_window_max", "copy", "copy_p", "broadcast_in_dim", "pad", "gather",
-    "reduce_max", "rev",
+    "reduce_max", "rev", "stop_gradient",
 }  # fmt: skip
 # Ops that compute a new value: inputs quantized, output quantized at its own range.
 COMPUTING = {
     "add", "sub", "mul", "concatenate", "tanh", "logistic", "max", "min", "neg",
-    "square", "integer_pow", "rsqrt", "sqrt", "exp", "abs",
+    "square", "integer_pow", "rsqrt", "sqrt", "exp", "abs", "log",
 }  # fmt: skip
 CALLS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
 
@@ -298,15 +298,28 @@ class Interpreter:
             return local[v] if v in local else read(v)[0]
 
         for eqn in block:
-            for v, o in zip(eqn.outvars, _bind(eqn, [value(v) for v in eqn.invars]), strict=True):
+            ins = [value(v) for v in eqn.invars]
+            if any(_no_op_bound(eqn.primitive.name, v) for v in ins):
+                # the max's initial -inf: left in, the converter does not recognise the
+                # block as one LOG_SOFTMAX kernel
+                local[eqn.outvars[0]] = next(v for v in ins if not _no_op_bound("max", v))
+                continue
+            for v, o in zip(eqn.outvars, _bind(eqn, ins), strict=True):
                 local[v] = o
         y = local[block[-1].outvars[0]]
-        if kind != "softmax" or types.act is None:
+        if kind not in ("softmax", "log_softmax") or types.act is None:
             return self.site(y, block[-1], kind, types)
         self.key(block[-1], kind)  # a site (numbered as the others), with fixed parameters
         # TFLite's int8 SOFTMAX has a fixed output scale 1/256 and zero point -128;
-        # its int16 one 1/32768 and 0.
-        if types.act == "int16":
+        # its int16 one 1/32768 and 0. Its int8 LOG_SOFTMAX: 16/256 and 127.
+        if kind == "log_softmax":
+            if types.act != "int8":
+                raise UnsupportedOpError(
+                    f"log_softmax in module {self.describe(block[-1])} computes in "
+                    f"{types.act}; LiteRT's LOG_SOFTMAX kernel takes int8 only"
+                )
+            fixed = Rep("q", np.array([16 / 256], np.float32), np.array([127], np.int64), "int8")
+        elif types.act == "int16":
             fixed = Rep("q", np.array([1 / 32768], np.float32), np.array([0], np.int64), "int16")
         else:
             fixed = Rep("q", np.array([1 / 256], np.float32), np.array([-128], np.int64), "int8")
@@ -400,6 +413,10 @@ class Interpreter:
             return self.float_op(eqn, ins)
         if name in ("dot_general", "conv_general_dilated"):
             return [self.contraction(eqn, ins, types)]
+        if len(ins) == 2 and any(_no_op_bound(name, v) for v in values):
+            # max(x, -inf) and min(x, inf) (jnp.max's initial=-inf) are x: an infinite
+            # constant has no quantization parameters.
+            return [next(i for i, v in zip(ins, values, strict=True) if not _no_op_bound(name, v))]
         pending = next((q for _, q in ins if q.kind == "pending" and not q.inherit), None)
         if name in ("max", "min") and pending is not None and sorted(kinds) == ["const", "pending"]:
             return [(_bind(eqn, values)[0], pending)]  # ReLU, ReLU6, clip(-1, 1): fused
@@ -414,9 +431,10 @@ class Interpreter:
             return [(_bind(eqn, [x])[0], Rep("pending", origin=eqn))]
         if name == "div" and kinds == ["pending", "const"]:
             return [(_bind(eqn, values)[0], ins[0][1])]
-        if name in PRESERVING and kinds[0] == "pending":  # same values: quantize later
+        if name in PRESERVING and kinds[0] == "pending" and name != "reduce_max":
+            # same values: quantize later
             return [(o, ins[0][1]) for o in _preserve(eqn, values)]
-        if name in PRESERVING and kinds[0] in ("q", "float", "const"):
+        if name in PRESERVING and kinds[0] in ("q", "float", "const", "pending"):
             # (A constant here is a table that gather/dynamic_slice look up: int8 too.)
             x, q = self.materialize(values[0], ins[0][1], eqn, name)
             return [(o, q) for o in _preserve(eqn, [x, *values[1:]])]
@@ -487,9 +505,15 @@ _FUSED = {
         ["reduce_max", "broadcast_in_dim", "stop_gradient", "sub", "exp", "reduce_sum",
          "broadcast_in_dim", "div"],
     ],
+    "log_softmax": [
+        ["reduce_max", "max", "broadcast_in_dim", "stop_gradient", "sub", "exp",
+         "reduce_sum", "broadcast_in_dim", "log", "sub"],
+        ["reduce_max", "broadcast_in_dim", "stop_gradient", "sub", "exp", "reduce_sum",
+         "broadcast_in_dim", "log", "sub"],
+    ],
     "gelu": [["integer_pow", "mul", "add", "mul", "tanh", "add", "mul", "mul"]],
 }  # fmt: skip
-_INPUT_USES = {"softmax": 2, "gelu": 3}
+_INPUT_USES = {"softmax": 2, "log_softmax": 2, "gelu": 3}
 # jax.nn functions that run as named jit calls and that the converter turns into
 # one int8 kernel (LEAKY_RELU, HARD_SWISH) when only their input and output are
 # quantized.
@@ -552,6 +576,19 @@ def _scalar(v: Any) -> jax.Array:
 def _integer(avals: list[Any]) -> bool:
     """Whether all are integer or boolean (indices, masks): never quantized."""
     return all(jnp.issubdtype(v.aval.dtype, jnp.integer) or v.aval.dtype == bool for v in avals)
+
+
+def _no_op_bound(name: str, v: Any) -> bool:
+    """Whether ``v`` is a concrete ``-inf`` (for ``max``) or ``inf`` (``min``): a no-op."""
+    if name not in ("max", "min"):
+        return False
+    if isinstance(v, jex.core.Literal):
+        v = v.val
+    try:
+        c = np.asarray(v, np.float64)
+    except TypeError:  # a traced value (TracerArrayConversionError)
+        return False
+    return c.size > 0 and bool(np.all(c == (-np.inf if name == "max" else np.inf)))
 
 
 def _preserve(eqn: Any, values: list[Any]) -> list[Any]:
