@@ -214,6 +214,47 @@ def test_log_softmax_in_int16_is_refused():
         )
 
 
+@pytest.mark.parametrize("act", [jax.nn.sigmoid, jax.nn.silu], ids=["sigmoid", "silu"])
+def test_logistic_loads_with_the_builtin_kernels(act):
+    # Issue 21, bug 1: LiteRT's builtin int8 LOGISTIC requires output scale 1/256 and
+    # zero point -128; a calibrated range loaded only under XNNPACK.
+    x = RNG.normal(size=(2, 4, 4, 3)).astype(np.float32)
+    model = ConvThen(act)
+    params = model.init(jax.random.key(0), x)
+    tfl, report = convert(lambda v: model.apply(params, v), [x])  # validated under both
+    logistic = next(op for op in report.ops if op.name == "LOGISTIC")
+    out = report.tensors[logistic.outputs[0]]
+    assert (out.dtype, out.scale[0], out.zero_point[0]) == ("INT8", 1 / 256, -128)
+    y = qlitert.LiteRTModel(tfl, kernels="builtin")(x)
+    ref = np.asarray(model.apply(params, x), np.float64)
+    assert np.linalg.norm(y - ref) / np.linalg.norm(ref) < 0.05
+
+
+def test_int16_logistic_has_the_builtin_kernels_parameters():
+    x = RNG.normal(size=(2, 4, 4, 3)).astype(np.float32)
+    model = ConvThen(jax.nn.sigmoid)
+    params = model.init(jax.random.key(0), x)
+
+    def fn(v):
+        return model.apply(params, v)
+
+    rule = qlitert.Rule(act_qtype="int16")
+    tfl = qlitert.export(qlitert.annotate(fn, qlitert.calibrate(fn, [x], rules=rule)), x)
+    report = qlitert.inspect(tfl)
+    logistic = next(op for op in report.ops if op.name == "LOGISTIC")
+    out = report.tensors[logistic.outputs[0]]
+    assert (out.dtype, out.scale[0], out.zero_point[0]) == ("INT16", 1 / 32768, 0)
+
+
+def test_litert_model_kernels_argument_is_checked():
+    x = RNG.normal(size=(2, 4, 4, 3)).astype(np.float32)
+    model = ConvThen(jnp.tanh)
+    params = model.init(jax.random.key(0), x)
+    tfl, _ = convert(lambda v: model.apply(params, v), [x])
+    with pytest.raises(ValueError, match=r"kernels='gpu'; allowed: 'xnnpack', 'builtin'"):
+        qlitert.LiteRTModel(tfl, kernels="gpu")
+
+
 def test_average_pooling_with_padding_is_named_in_strict_mode():
     x = RNG.normal(size=(2, 4, 4, 3)).astype(np.float32)
     model = ConvThen(lambda h: nn.avg_pool(h, (3, 3), padding="SAME"))

@@ -37,6 +37,15 @@ COMPUTING = {
     "square", "integer_pow", "rsqrt", "sqrt", "exp", "abs", "log",
 }  # fmt: skip
 CALLS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
+# (kernel, activation type) -> the output (scale, zero point) LiteRT's builtin kernel
+# requires (XNNPACK accepts others, so a calibrated range loads only under it).
+FIXED_OUTPUT = {
+    ("softmax", "int8"): (1 / 256, -128),
+    ("softmax", "int16"): (1 / 32768, 0),
+    ("log_softmax", "int8"): (16 / 256, 127),
+    ("logistic", "int8"): (1 / 256, -128),
+    ("logistic", "int16"): (1 / 32768, 0),
+}
 
 
 class UnsupportedOpError(ValueError):
@@ -309,20 +318,18 @@ class Interpreter:
         y = local[block[-1].outvars[0]]
         if kind not in ("softmax", "log_softmax") or types.act is None:
             return self.site(y, block[-1], kind, types)
-        self.key(block[-1], kind)  # a site (numbered as the others), with fixed parameters
-        # TFLite's int8 SOFTMAX has a fixed output scale 1/256 and zero point -128;
-        # its int16 one 1/32768 and 0. Its int8 LOG_SOFTMAX: 16/256 and 127.
-        if kind == "log_softmax":
-            if types.act != "int8":
-                raise UnsupportedOpError(
-                    f"log_softmax in module {self.describe(block[-1])} computes in "
-                    f"{types.act}; LiteRT's LOG_SOFTMAX kernel takes int8 only"
-                )
-            fixed = Rep("q", np.array([16 / 256], np.float32), np.array([127], np.int64), "int8")
-        elif types.act == "int16":
-            fixed = Rep("q", np.array([1 / 32768], np.float32), np.array([0], np.int64), "int16")
-        else:
-            fixed = Rep("q", np.array([1 / 256], np.float32), np.array([-128], np.int64), "int8")
+        if kind == "log_softmax" and types.act != "int8":
+            raise UnsupportedOpError(
+                f"log_softmax in module {self.describe(block[-1])} computes in "
+                f"{types.act}; LiteRT's LOG_SOFTMAX kernel takes int8 only"
+            )
+        return self.fixed_site(y, block[-1], kind, types.act)
+
+    def fixed_site(self, y: Any, eqn: Any, kind: str, qtype: str) -> tuple[Any, Rep]:
+        """A site whose parameters LiteRT's kernel fixes (numbered as the others)."""
+        self.key(eqn, kind)
+        scale, zero_point = FIXED_OUTPUT[kind, qtype]
+        fixed = Rep("q", np.array([scale], np.float32), np.array([zero_point], np.int64), qtype)
         return (y if self.observing else self.fq(y, fixed)), fixed
 
     def realize(self, entry: tuple[Any, Rep]) -> tuple[Any, Rep]:
@@ -451,6 +458,8 @@ class Interpreter:
         if name in COMPUTING:
             xs = [self.materialize(x, q, eqn, name)[0] for x, q in ins]
             out = _bind(eqn, xs)[0]
+            if (name, types.act) in FIXED_OUTPUT:
+                return [self.fixed_site(out, eqn, name, types.act)]
             return [self.site(out, eqn, name, types)]
         return self.unsupported(eqn, ins, f"op {name!r}")
 

@@ -48,24 +48,48 @@ class LiteRTModel:
         quantize_io: For integer inputs/outputs: quantize float inputs and
             dequantize outputs with the tensors' own parameters (default True);
             False passes and returns the integer codes.
+        kernels: ``"xnnpack"`` (the default: LiteRT's XNNPACK delegate where it
+            takes an op, the builtin kernels elsewhere) or ``"builtin"`` (the builtin
+            kernels only, as on a device without XNNPACK; they check some
+            quantization parameters that XNNPACK does not).
 
     Raises:
         TypeError: If ``tflite`` is neither bytes nor a path.
-        ValueError: For ``num_threads`` < 1, or a model that is not valid or that
-            LiteRT cannot load (naming the input and what is wrong).
+        ValueError: For ``num_threads`` < 1, unknown ``kernels``, or a model that is
+            not valid or that LiteRT cannot load (naming the input and what is wrong).
     """
 
-    def __init__(self, tflite: Any, *, num_threads: int = 2, quantize_io: bool = True) -> None:
-        from ai_edge_litert.interpreter import Interpreter  # noqa: PLC0415 - heavy import
+    def __init__(
+        self,
+        tflite: Any,
+        *,
+        num_threads: int = 2,
+        quantize_io: bool = True,
+        kernels: str = "xnnpack",
+    ) -> None:
+        from ai_edge_litert.interpreter import (  # noqa: PLC0415 - heavy import
+            Interpreter,
+            OpResolverType,
+        )
 
         if isinstance(num_threads, bool) or not isinstance(num_threads, int) or num_threads < 1:
             raise ValueError(f"num_threads={num_threads!r}; allowed: an int >= 1")
+        resolvers = {
+            "xnnpack": OpResolverType.AUTO,
+            "builtin": OpResolverType.BUILTIN_WITHOUT_DEFAULT_DELEGATES,
+        }
+        if kernels not in resolvers:
+            raise ValueError(f"kernels={kernels!r}; allowed: 'xnnpack', 'builtin'")
         data, what = read(tflite)
         self._reaches = _reaches(from_bytes(data, what))
         self.tflite = data
         self.quantize_io = quantize_io
         try:
-            self._interpreter = Interpreter(model_content=self.tflite, num_threads=num_threads)
+            self._interpreter = Interpreter(
+                model_content=self.tflite,
+                num_threads=num_threads,
+                experimental_op_resolver_type=resolvers[kernels],
+            )
             self._interpreter.allocate_tensors()
             self.inputs = self._interpreter.get_input_details()
             self.outputs = self._interpreter.get_output_details()
