@@ -39,7 +39,7 @@ COMPUTING = {
 CALLS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
 # (kernel, activation type) -> the output (scale, zero point) LiteRT's builtin kernel
 # requires (XNNPACK accepts others, so a calibrated range loads only under it).
-FIXED_OUTPUT = {
+_FIXED_OUTPUT = {
     ("softmax", "int8"): (1 / 256, -128),
     ("softmax", "int16"): (1 / 32768, 0),
     ("log_softmax", "int8"): (16 / 256, 127),
@@ -325,10 +325,12 @@ class Interpreter:
             )
         return self.fixed_site(y, block[-1], kind, types.act)
 
-    def fixed_site(self, y: Any, eqn: Any, kind: str, qtype: str) -> tuple[Any, Rep]:
+    def fixed_site(self, y: Any, eqn: Any, kind: str, qtype: str | None) -> tuple[Any, Rep]:
         """A site whose parameters LiteRT's kernel fixes (numbered as the others)."""
+        if qtype is None or (kind, qtype) not in _FIXED_OUTPUT:
+            raise UnsupportedOpError(f"{kind} has no fixed {qtype} output parameters in LiteRT")
         self.key(eqn, kind)
-        scale, zero_point = FIXED_OUTPUT[kind, qtype]
+        scale, zero_point = _FIXED_OUTPUT[kind, qtype]
         fixed = Rep("q", np.array([scale], np.float32), np.array([zero_point], np.int64), qtype)
         return (y if self.observing else self.fq(y, fixed)), fixed
 
@@ -458,7 +460,7 @@ class Interpreter:
         if name in COMPUTING:
             xs = [self.materialize(x, q, eqn, name)[0] for x, q in ins]
             out = _bind(eqn, xs)[0]
-            if (name, types.act) in FIXED_OUTPUT:
+            if (name, types.act) in _FIXED_OUTPUT:
                 return [self.fixed_site(out, eqn, name, types.act)]
             return [self.site(out, eqn, name, types)]
         return self.unsupported(eqn, ins, f"op {name!r}")
