@@ -308,10 +308,11 @@ class Interpreter:
 
         for eqn in block:
             ins = [value(v) for v in eqn.invars]
-            if any(_no_op_bound(eqn.primitive.name, v) for v in ins):
+            kept = _unbounded(eqn.primitive.name, ins)
+            if kept is not None:
                 # the max's initial -inf: left in, the converter does not recognise the
                 # block as one LOG_SOFTMAX kernel
-                local[eqn.outvars[0]] = next(v for v in ins if not _no_op_bound("max", v))
+                local[eqn.outvars[0]] = ins[kept]
                 continue
             for v, o in zip(eqn.outvars, _bind(eqn, ins), strict=True):
                 local[v] = o
@@ -422,10 +423,11 @@ class Interpreter:
             return self.float_op(eqn, ins)
         if name in ("dot_general", "conv_general_dilated"):
             return [self.contraction(eqn, ins, types)]
-        if len(ins) == 2 and any(_no_op_bound(name, v) for v in values):
+        kept = _unbounded(name, values)
+        if kept is not None:
             # max(x, -inf) and min(x, inf) (jnp.max's initial=-inf) are x: an infinite
             # constant has no quantization parameters.
-            return [next(i for i, v in zip(ins, values, strict=True) if not _no_op_bound(name, v))]
+            return [ins[kept]]
         pending = next((q for _, q in ins if q.kind == "pending" and not q.inherit), None)
         if name in ("max", "min") and pending is not None and sorted(kinds) == ["const", "pending"]:
             return [(_bind(eqn, values)[0], pending)]  # ReLU, ReLU6, clip(-1, 1): fused
@@ -587,6 +589,14 @@ def _scalar(v: Any) -> jax.Array:
 def _integer(avals: list[Any]) -> bool:
     """Whether all are integer or boolean (indices, masks): never quantized."""
     return all(jnp.issubdtype(v.aval.dtype, jnp.integer) or v.aval.dtype == bool for v in avals)
+
+
+def _unbounded(name: str, values: list[Any]) -> int | None:
+    """For ``max(x, -inf)`` or ``min(x, inf)``: the index of ``x``; else None."""
+    if len(values) != 2:
+        return None
+    bound = [_no_op_bound(name, v) for v in values]
+    return bound.index(False) if bound.count(True) == 1 else None
 
 
 def _no_op_bound(name: str, v: Any) -> bool:
