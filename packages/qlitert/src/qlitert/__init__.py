@@ -5,9 +5,11 @@ objects, see :mod:`~qlitert.rules`), fine-tune it with the LiteRT rounding
 (:func:`qat`) and annotate it (:func:`annotate`) — or annotate its quantization by hand with
 :mod:`qlitert.qdq` (``quant.fake_quant`` composites with static scales) — then
 :func:`export` converts it with litert-converter and validates the result
-(integer kernels only, outputs within one step of JAX); :func:`inspect` lists a
+(integer kernels only, every op within one step of JAX); :func:`inspect` lists a
 model's ops and tensors; :class:`LiteRTModel` runs it with the LiteRT
-interpreter; :func:`save` writes it atomically. :class:`SiteKey` names the
+interpreter; :func:`compare_layers` compares every quantized tensor of a model
+with JAX, layer by layer (how :func:`export` validates); :func:`save` writes it
+atomically. :class:`SiteKey` names the
 quantization sites of a :class:`Calibration`.
 """
 
@@ -27,6 +29,7 @@ from qlitert.interpreter import UnsupportedOpError
 from qlitert.rules import Rule
 from qlitert.runtime import LiteRTModel
 from qlitert.scopes import SiteKey
+from qlitert.validation import Layer, LayerReport, compare_layers
 
 __version__ = "0.1.0"
 
@@ -34,6 +37,8 @@ __all__ = [
     "Annotated",
     "Calibration",
     "ExportError",
+    "Layer",
+    "LayerReport",
     "LiteRTModel",
     "ModelReport",
     "Rule",
@@ -45,6 +50,7 @@ __all__ = [
     "check_agreement",
     "check_kernels",
     "check_path",
+    "compare_layers",
     "converter",
     "export",
     "inspect",

@@ -10,9 +10,10 @@ jax-ml/jax#40486), converted (:mod:`qlitert.converter`), and then validated:
   biases and accumulators); float tensors may only enter a ``QUANTIZE`` at the
   inputs or leave a ``DEQUANTIZE`` at the outputs, so there is no ``DEQUANTIZE``
   in the middle of the graph;
-* on the example inputs, the LiteRT interpreter's outputs agree with the JAX
-  function within one output quantization step on at least 95% of the values and
-  within two everywhere.
+* the model loads and runs with XNNPACK and with LiteRT's builtin kernels, and
+  under each, every quantized tensor agrees with the JAX function's layer by layer
+  on the example inputs: each op, fed the ``.tflite``'s own inputs, is within one
+  step of JAX (int8; :mod:`qlitert.validation` states the rule exactly).
 
 A model that fails raises :class:`ExportError` with a report naming the
 offending ops.
@@ -47,7 +48,7 @@ import numpy as np
 from qcore.files import write_atomic
 from qlitert import converter
 from qlitert.inspection import ModelReport, from_bytes, inspect
-from qlitert.runtime import LiteRTModel
+from qlitert.validation import KERNELS, compare_layers
 
 # int8 data, int32 biases and indices, int64 shapes (and 16x8 biases), bool masks.
 INTEGER_TYPES = ("INT8", "INT32", "INT64", "BOOL")
@@ -206,75 +207,23 @@ def check_kernels(report: ModelReport, compute_types: Sequence[str] = INTEGER_TY
     return problems
 
 
-def _output_steps(report: ModelReport) -> list[tuple[float | None, str]]:
-    """The quantization step and type of each graph output (through a final DEQUANTIZE).
-
-    A float output (a float last module) has no step: ``(None, "FLOAT32")``.
-    """
-    producer = {o: op for op in report.ops for o in op.outputs}
-    steps = []
-    for out in report.outputs:
-        t = report.tensors[out]
-        op = producer.get(out)
-        if not t.scale and op is not None and op.name == "DEQUANTIZE":
-            t = report.tensors[op.inputs[0]]
-        steps.append((max(t.scale), t.dtype) if t.scale else (None, t.dtype))
-    return steps
-
-
-# Agreement needed, in output steps: (on 95% of the values, on all). One int16
-# step is 1/256 of an int8 one; LiteRT's 16x8 kernels requantize with fixed-point
-# multipliers whose rounding a float model cannot mirror to one such step, and
-# the differences add up over layers (2 steps after three 16x8 layers, measured).
-TOLERANCE = {"INT8": (1.0, 2.0), "INT16": (2.0, 4.0)}
-# A float output (after a float module) may differ by the upstream integer
-# kernels' one-step differences: relative L2 error.
-FLOAT_TOLERANCE = 0.01
-
-
 def check_agreement(tflite: bytes, fn: Callable[..., Any], inputs: Sequence[Any]) -> list[str]:
-    """Problems with the interpreter's outputs against ``fn``'s (see :data:`TOLERANCE`).
+    """Problems of the layer-by-layer comparison with ``fn``, under both kernel sets.
 
-    The outputs are compared under XNNPACK. The model must also load and run with
-    LiteRT's builtin kernels only, which check quantization parameters that XNNPACK
-    accepts (an int8 LOGISTIC's output scale must be 1/256). Their outputs are not
-    compared: their rescaling rounds differently, and the Linen transformer of the
-    tests missed the rule above under them.
+    :func:`qlitert.compare_layers` runs under XNNPACK and under LiteRT's builtin
+    kernels only, which check quantization parameters that XNNPACK accepts (an int8
+    LOGISTIC's output scale must be 1/256) and round their rescaling differently;
+    each kernel set must pass the rule of :mod:`qlitert.validation` on its own.
+    Each problem names its kernel set.
     """
     problems = []
-    try:  # fn's own I/O types (quantize_io=False)
-        LiteRTModel(tflite, num_threads=1, quantize_io=False, kernels="builtin")(*inputs)
-    except ValueError as err:
-        problems.append(f"with the builtin kernels: {err}")
-    model = LiteRTModel(tflite, num_threads=1, quantize_io=False)
-    got = model(*inputs)
-    got = got if isinstance(got, tuple) else (got,)
-    want = jax.tree.leaves(jax.jit(fn)(*inputs))
-    return problems + _agreement(got, want, _output_steps(inspect(tflite)))
-
-
-def _agreement(got: tuple, want: list, steps: list[tuple[float | None, str]]) -> list[str]:
-    problems = []
-    for i, (g, w, (step, dtype)) in enumerate(zip(got, want, steps, strict=True)):
-        g, w = np.asarray(g, np.float64), np.asarray(w, np.float64)
-        if step is None:
-            error = float(np.linalg.norm(g - w) / max(float(np.linalg.norm(w)), 1e-30))
-            if error > FLOAT_TOLERANCE:
-                problems.append(
-                    f"output {i} (float): relative error {error:.3g} against JAX "
-                    f"(need <= {FLOAT_TOLERANCE})"
-                )
+    for kernels in KERNELS:
+        try:
+            report = compare_layers(tflite, fn, *inputs, kernels=kernels)
+        except ValueError as err:
+            problems.append(f"with the {kernels} kernels: {err}")
             continue
-        if np.issubdtype(np.asarray(want[i]).dtype, np.integer):
-            step = 1.0  # integer outputs are codes: one step is one code
-        most, worst = TOLERANCE.get(dtype, TOLERANCE["INT8"])
-        diff = np.abs(g - w) / step
-        within = float(np.mean(diff <= most + 1e-3))
-        if within < 0.95 or float(np.max(diff)) > worst + 1e-3:
-            problems.append(
-                f"output {i} ({dtype}): {within:.1%} of values within {most:g} step(s) of JAX "
-                f"(need 95%), max {float(np.max(diff)):.2f} steps (need <= {worst:g})"
-            )
+        problems += [f"with the {kernels} kernels: {p}" for p in report.problems()]
     return problems
 
 

@@ -143,8 +143,11 @@ class Interpreter:
 
     # -- quantization --------------------------------------------------------
 
-    def fq(self, x: Any, q: Rep, *, pool_count: int | None = None) -> Any:
-        """Fake quantization with ``q``'s (per-tensor) parameters: annotation or QAT."""
+    def fq(self, x: Any, q: Rep, site: str, *, pool_count: int | None = None) -> Any:
+        """Fake quantization with ``q``'s (per-tensor) parameters: annotation or QAT.
+
+        ``site`` names it in the layer-by-layer validation's reports.
+        """
         if self.train:
             qmin, qmax = qdq.RANGES[q.qtype]
             scale, zp = (_scalar(v) for v in (q.scale, q.zero_point))
@@ -152,7 +155,9 @@ class Interpreter:
                 jax.lax.stop_gradient(x), scale, zp, qmin, qmax, pool_count=pool_count
             )
             return _ste(x, jax.lax.stop_gradient(y))
-        return qdq.fake_quant(x, q.scale, q.zero_point, qtype=q.qtype, pool_count=pool_count)
+        return qdq.fake_quant(
+            x, q.scale, q.zero_point, qtype=q.qtype, pool_count=pool_count, site=site
+        )
 
     def key(self, eqn: Any | None, label: str) -> str:
         """The next site's name: its :class:`~qlitert.scopes.SiteKey`, rendered."""
@@ -184,7 +189,7 @@ class Interpreter:
         else:
             scale, zp = self.cal.params(key, qtype)
             q = Rep("q", scale, zp, qtype)
-        return self.fq(x, q), q
+        return self.fq(x, q, key), q
 
     def materialize(
         self, x: Any, q: Rep, eqn: Any | None, label: str, *, float_op: bool = False
@@ -220,7 +225,7 @@ class Interpreter:
             done = dataclasses.replace(q, kind="q", inherit=0, origin=None)
             if self.observing:
                 return x, done
-            return self.fq(x, done, pool_count=q.inherit), done
+            return self.fq(x, done, f"{label} (pooled)", pool_count=q.inherit), done
         if q.kind == "pending":  # the producer's rule types its output
             return self.site(x, eqn, label, self.types(q.origin))
         if float_op or q.kind == "q":
@@ -330,10 +335,10 @@ class Interpreter:
         """A site whose parameters LiteRT's kernel fixes (numbered as the others)."""
         if qtype is None or (kind, qtype) not in _FIXED_OUTPUT:
             raise UnsupportedOpError(f"{kind} has no fixed {qtype} output parameters in LiteRT")
-        self.key(eqn, kind)
+        key = self.key(eqn, kind)
         scale, zero_point = _FIXED_OUTPUT[kind, qtype]
         fixed = Rep("q", np.array([scale], np.float32), np.array([zero_point], np.int64), qtype)
-        return (y if self.observing else self.fq(y, fixed)), fixed
+        return (y if self.observing else self.fq(y, fixed, key)), fixed
 
     def realize(self, entry: tuple[Any, Rep]) -> tuple[Any, Rep]:
         """Computes a deferred contraction (with its folded constants)."""

@@ -41,7 +41,9 @@ Example:
 
 from __future__ import annotations
 
+import contextvars
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -57,6 +59,12 @@ QTYPES = {name: qtypes.get(name) for name in CODES}
 RANGES = {name: (int(q.qmin), int(q.qmax)) for name, q in QTYPES.items()}
 STORAGE = {"int8": jnp.int8, "int16": jnp.int16, "int4": jnp.int4}
 _QTypeArg = str | qtypes.QType | None
+# Set by qlitert.validation while it replays a model layer by layer: called with
+# each per-tensor activation fake quantization (result, scale, zero point, qtype,
+# site name), it returns the value the model goes on with.
+_TAP: contextvars.ContextVar[Callable[..., jax.Array] | None] = contextvars.ContextVar(
+    "qlitert_tap", default=None
+)
 
 
 def qtype_name(
@@ -234,6 +242,11 @@ def quantize_dequantize(
     return nan_blocks(x, (q - zero_point) * scale, jnp.shape(scale)).astype(x.dtype)
 
 
+_quantize_dequantize_jit = jax.jit(
+    quantize_dequantize, static_argnums=(3, 4), static_argnames=("pool_count",)
+)
+
+
 def nan_blocks(x: jax.Array, y: jax.Array, scale_shape: tuple[int, ...]) -> jax.Array:
     """``y`` with NaN in every block of ``x`` that holds a NaN or inf.
 
@@ -275,6 +288,7 @@ def fake_quant(
     pool_count: int | None = None,
     composite: bool = True,
     dtype: str | None = None,
+    site: str | None = None,
 ) -> jax.Array:
     """``x`` quantized and dequantized, annotated as ``quant.fake_quant``.
 
@@ -297,6 +311,8 @@ def fake_quant(
         composite: False returns the same numerics without the annotation
             (differentiable by ``jax.grad``, which composites are not).
         dtype: Deprecated spelling of ``qtype`` (TFLite's ``"i8"``, ``"i16"``, ``"i4"``).
+        site: A name for this quantization in the layer-by-layer validation's
+            reports (:func:`qlitert.compare_layers`); no effect on the model.
 
     Raises:
         TypeError: For an integer or boolean ``x``: such tensors are not quantized.
@@ -317,9 +333,20 @@ def fake_quant(
         z = _broadcast(a["zero_point"].astype(np.float32), x, axis)
         return quantize_dequantize(x, s, z, qmin, qmax, pool_count=pool_count)
 
-    if not composite:
-        return decomposition(x, **attrs)
-    return jax.lax.composite(decomposition, name="quant.fake_quant")(x, **attrs)
+    tap = _TAP.get()
+    if tap is not None:
+        # The same numerics, compiled once per shape: run eagerly, the decomposition
+        # compiles a dozen ops per shape and a composite compiles anew per scale.
+        s = _broadcast(attrs["scale"], x, axis)
+        z = _broadcast(attrs["zero_point"].astype(np.float32), x, axis)
+        y = _quantize_dequantize_jit(x, s, z, qmin, qmax, pool_count=pool_count)
+    elif not composite:
+        y = decomposition(x, **attrs)
+    else:
+        y = jax.lax.composite(decomposition, name="quant.fake_quant")(x, **attrs)
+    if tap is None or narrow_range or attrs["scale"].size != 1:
+        return y  # weights (narrow range, per channel) are constants of the model
+    return tap(y, attrs["scale"][0], attrs["zero_point"][0], name, site)
 
 
 def quantize(

@@ -16,6 +16,7 @@ Example:
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import jax.numpy as jnp
@@ -52,6 +53,8 @@ class LiteRTModel:
             takes an op, the builtin kernels elsewhere) or ``"builtin"`` (the builtin
             kernels only, as on a device without XNNPACK; they check some
             quantization parameters that XNNPACK does not).
+        preserve_all_tensors: Keep every intermediate tensor after a call, for
+            :meth:`tensors` (LiteRT otherwise reuses their memory).
 
     Raises:
         TypeError: If ``tflite`` is neither bytes nor a path.
@@ -66,6 +69,7 @@ class LiteRTModel:
         num_threads: int = 2,
         quantize_io: bool = True,
         kernels: str = "xnnpack",
+        preserve_all_tensors: bool = False,
     ) -> None:
         from ai_edge_litert.interpreter import (  # noqa: PLC0415 - heavy import
             Interpreter,
@@ -84,12 +88,17 @@ class LiteRTModel:
         self._reaches = _reaches(from_bytes(data, what))
         self.tflite = data
         self.quantize_io = quantize_io
+        self.preserve_all_tensors = bool(preserve_all_tensors)
         try:
-            self._interpreter = Interpreter(
-                model_content=self.tflite,
-                num_threads=num_threads,
-                experimental_op_resolver_type=resolvers[kernels],
-            )
+            with warnings.catch_warnings():
+                # LiteRT warns that preserving tensors costs memory: asked for here.
+                warnings.filterwarnings("ignore", "Warning: Enabling `experimental_preserve_all")
+                self._interpreter = Interpreter(
+                    model_content=self.tflite,
+                    num_threads=num_threads,
+                    experimental_op_resolver_type=resolvers[kernels],
+                    experimental_preserve_all_tensors=bool(preserve_all_tensors),
+                )
             self._interpreter.allocate_tensors()
             self.inputs = self._interpreter.get_input_details()
             self.outputs = self._interpreter.get_output_details()
@@ -126,6 +135,27 @@ class LiteRTModel:
         outs = tuple(self._from_model(it.get_tensor(d["index"]), d) for d in self.outputs)
         outs = tuple(np.full_like(y, np.nan) if k in nan_outputs else y for k, y in enumerate(outs))
         return outs[0] if len(outs) == 1 else outs
+
+    def tensors(self) -> dict[int, np.ndarray]:
+        """Every tensor's value after the last call, by index (as :func:`qlitert.inspect`).
+
+        Integer tensors hold their codes. Needs ``preserve_all_tensors=True``.
+
+        Raises:
+            ValueError: If the model was made without ``preserve_all_tensors``.
+        """
+        if not self.preserve_all_tensors:
+            raise ValueError(
+                "tensors() needs LiteRTModel(..., preserve_all_tensors=True): LiteRT reuses "
+                "the memory of intermediate tensors otherwise"
+            )
+        values = {}
+        for detail in self._interpreter.get_tensor_details():
+            try:
+                values[int(detail["index"])] = self._interpreter.get_tensor(detail["index"]).copy()
+            except ValueError:  # a tensor without data (e.g. an optional input left out)
+                continue
+        return values
 
     def _quantized(self, detail: dict) -> bool:
         """Whether the wrapper quantizes / dequantizes this integer tensor."""

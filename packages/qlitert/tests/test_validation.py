@@ -1,0 +1,136 @@
+"""Layer-by-layer validation: deep models pass, one wrong op is caught and named."""
+
+import flatbuffers
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from ai_edge_litert import schema_py_generated as schema
+from archs import MOBILENET_50, mobilenet
+
+import qlitert
+from qlitert import qdq
+
+KERNELS = ("xnnpack", "builtin")
+
+
+@pytest.fixture(scope="module")
+def deep():
+    """The 50-layer MobileNetV2-style CNN: annotated function, example, exported model."""
+    fn, x = mobilenet(MOBILENET_50)
+    batches = [np.random.default_rng(s).normal(size=x.shape).astype(np.float32) for s in range(4)]
+    # The tests' own JAX configuration (conftest.py), so the eager ops compiled here
+    # are reused by the tests.
+    with jax.numpy_dtype_promotion("strict"), jax.numpy_rank_promotion("raise"):
+        annotated = qlitert.annotate(fn, qlitert.calibrate(fn, batches))
+        return annotated, x, qlitert.export(annotated, x)  # validated: raises if it fails
+
+
+def rescaled(tflite, tensor, factor, channel=None):
+    """``tflite`` with the scale of ``tensor`` (or of one ``channel`` of it) times ``factor``."""
+    model = schema.ModelT.InitFromPackedBuf(bytearray(tflite), 0)
+    quantization = model.subgraphs[0].tensors[tensor].quantization
+    scale = np.array(quantization.scale, np.float32)
+    if channel is None:
+        scale *= factor
+    else:
+        scale[channel] *= factor
+    quantization.scale = scale
+    builder = flatbuffers.Builder(len(tflite) + 1024)
+    builder.Finish(model.Pack(builder), file_identifier=b"TFL3")
+    return bytes(builder.Output())
+
+
+def test_the_50_layer_network_exports_and_every_op_is_within_one_step(deep):
+    annotated, x, tflite = deep
+    report = qlitert.inspect(tflite)
+    names = report.op_names()
+    convolutions = names.count("CONV_2D") + names.count("DEPTHWISE_CONV_2D")
+    assert convolutions == 49 and names.count("FULLY_CONNECTED") == 1
+    for kernels in KERNELS:
+        layers = qlitert.compare_layers(tflite, annotated, x, kernels=kernels)
+        assert layers.problems() == []
+        assert all(layer.matched and layer.max_steps <= 1 for layer in layers.layers)
+        # Every op but the final DEQUANTIZE computes a tensor that some site checks.
+        checked = {layer.op for layer in layers.layers}
+        assert checked == set(range(len(names) - 1)), kernels
+        assert names[-1] == "DEQUANTIZE"
+
+
+def test_a_wrong_weight_scale_is_rejected_naming_its_op(deep):
+    annotated, x, tflite = deep
+    report = qlitert.inspect(tflite)
+    k = [i for i, name in enumerate(report.op_names()) if name == "DEPTHWISE_CONV_2D"][4]
+    bad = rescaled(tflite, report.ops[k].inputs[1], 1.5)  # its weight's scales
+    problems = qlitert.check_agreement(bad, annotated, [x])
+    assert len(problems) == 2  # one per kernel set: the first failing op
+    for kernels, problem in zip(KERNELS, problems, strict=True):
+        assert problem.startswith(f"with the {kernels} kernels: site ")
+        assert f"op {k} DEPTHWISE_CONV_2D" in problem
+        layers = qlitert.compare_layers(bad, annotated, x, kernels=kernels)
+        assert layers.first_failure().op == k
+    with pytest.raises(qlitert.ExportError, match=f"op {k} DEPTHWISE_CONV_2D"):
+        check_like_export(bad, annotated, x)
+
+
+def check_like_export(tflite, fn, x):
+    """What export() raises for a converted model that fails validation."""
+    problems = qlitert.check_kernels(qlitert.inspect(tflite))
+    problems += qlitert.check_agreement(tflite, fn, [x])
+    if problems:
+        raise qlitert.ExportError("\n".join(problems))
+
+
+def test_a_wrong_activation_scale_is_rejected_naming_its_op(deep):
+    annotated, x, tflite = deep
+    report = qlitert.inspect(tflite)
+    k = [i for i, name in enumerate(report.op_names()) if name == "CONV_2D"][20]
+    bad = rescaled(tflite, report.ops[k].outputs[0], 1.25)
+    layers = qlitert.compare_layers(bad, annotated, x)
+    first = layers.first_failure()
+    assert not first.matched and first.op == k  # the nearest tensor in values is its
+    assert "no int8 tensor of the .tflite has JAX's parameters" in layers.problems()[0]
+    assert f"op {k} CONV_2D" in layers.problems()[0]
+
+
+def test_a_hand_annotated_function_is_compared_site_by_site_with_its_names():
+    w = np.linspace(-1, 1, 32, dtype=np.float32).reshape(8, 4)
+    s_in, z_in = qdq.activation_params(-3, 3)
+    s_h, z_h = qdq.activation_params(0, 4)
+
+    def fn(x):
+        x = qdq.fake_quant(x, s_in, z_in, site="input")
+        wq = qdq.fake_quant(w, qdq.weight_scales(w, 1), narrow_range=True, axis=1)
+        return qdq.fake_quant(jnp.maximum(x @ wq, 0.0), s_h, z_h, site="hidden")
+
+    x = np.random.default_rng(0).normal(size=(2, 8)).astype(np.float32)
+    tflite = qlitert.export(fn, x)
+    layers = qlitert.compare_layers(tflite, fn, x, kernels="builtin")
+    assert [(layer.site, layer.op_name) for layer in layers.layers] == [
+        ("input", "QUANTIZE"),
+        ("hidden", "FULLY_CONNECTED"),
+    ]
+    assert layers.replayed and layers.problems() == []
+
+
+def test_a_function_quantized_under_jit_is_compared_at_its_outputs():
+    s, z = qdq.activation_params(-1, 1)
+    fn = jax.jit(lambda x: qdq.fake_quant(jnp.tanh(qdq.fake_quant(x, s, z)), s, z))
+    x = np.linspace(-2, 2, 16, dtype=np.float32).reshape(2, 8)
+    layers = qlitert.compare_layers(qlitert.export(fn, x), fn, x)
+    assert not layers.replayed and layers.layers == () and layers.problems() == []
+    assert "compared at the outputs only" in layers.summary()
+
+
+def test_tensors_need_preserve_all_tensors():
+    s, z = qdq.activation_params(-1, 1)
+    tflite = qlitert.export(
+        lambda x: qdq.fake_quant(jnp.maximum(qdq.fake_quant(x, s, z), 0.0), s, z),
+        np.zeros((1, 4), np.float32),
+    )
+    with pytest.raises(ValueError, match="preserve_all_tensors=True"):
+        qlitert.LiteRTModel(tflite).tensors()
+    model = qlitert.LiteRTModel(tflite, preserve_all_tensors=True, quantize_io=False)
+    model(np.full((1, 4), 0.5, np.float32))
+    values = model.tensors()
+    assert len(values) == len(qlitert.inspect(tflite).tensors)
