@@ -134,3 +134,29 @@ def test_tensors_need_preserve_all_tensors():
     model(np.full((1, 4), 0.5, np.float32))
     values = model.tensors()
     assert len(values) == len(qlitert.inspect(tflite).tensors)
+
+
+def test_a_model_written_nchw_is_matched_with_litert_nhwc_tensors():
+    """LiteRT keeps convolutions NHWC; with C == H == W the shapes are even equal."""
+    rng = np.random.default_rng(0)
+    w = rng.normal(size=(8, 8, 3, 3)).astype(np.float32)  # OIHW
+    s_in, z_in = qdq.activation_params(-4, 4)
+    s_out, z_out = qdq.activation_params(0, 12)
+
+    def fn(x):
+        wq = qdq.fake_quant(w, qdq.weight_scales(w, 0), narrow_range=True, axis=0)
+        y = jax.lax.conv_general_dilated(
+            qdq.fake_quant(x, s_in, z_in),
+            wq,
+            (1, 1),
+            "SAME",
+            dimension_numbers=("NCHW", "OIHW", "NCHW"),
+        )
+        return qdq.fake_quant(jnp.maximum(y, 0.0), s_out, z_out, site="conv")
+
+    x = rng.normal(size=(2, 8, 8, 8)).astype(np.float32)
+    tflite = qlitert.export(fn, x)
+    layers = qlitert.compare_layers(tflite, fn, x)
+    conv = layers.layers[-1]
+    assert (conv.site, conv.op_name) == ("conv", "CONV_2D")
+    assert conv.matched and conv.max_steps <= 1 and layers.problems() == []

@@ -45,7 +45,11 @@ _FIXED_OUTPUT = {
     ("log_softmax", "int8"): (16 / 256, 127),
     ("logistic", "int8"): (1 / 256, -128),
     ("logistic", "int16"): (1 / 32768, 0),
+    ("tanh", "int16"): (1 / 32768, 0),  # its int16 kernel checks the scale is 2^-15
 }
+# int16 ops whose LiteRT kernel takes operands of one shape (litert-converter 0.5.0
+# refuses a broadcasting int16 ADD): smaller operands are broadcast first.
+_SAME_SHAPE_INT16 = ("add",)
 
 
 class UnsupportedOpError(ValueError):
@@ -286,6 +290,8 @@ class Interpreter:
         eqns, i = list(jaxpr.eqns), 0
         while i < len(eqns):
             kind, n = _match(eqns, i)
+            if kind in _INT8_ONLY and self.types(eqns[i + n - 1]).act == "int16":
+                kind = None  # LiteRT has no int16 kernel for it: its ops one by one
             if kind is not None:
                 block = eqns[i : i + n]
                 env[block[-1].outvars[0]] = self.fused(kind, block, read)
@@ -464,13 +470,43 @@ class Interpreter:
                 for x, q in ins
             ]
             return [self.site(_bind(eqn, xs)[0], eqn, name, types)]
+        if name == "integer_pow" and eqn.params["y"] > 2:
+            # litert-converter 0.5.0 turns x**3 into two MULs with no quantization
+            # between them (float); one site per product keeps every MUL integer.
+            x, _ = self.materialize(values[0], ins[0][1], eqn, name)
+            y, q = x, ins[0][1]
+            for _ in range(int(eqn.params["y"]) - 1):
+                y, q = self.site(y * x, eqn, name, types)
+            return [(y, q)]
         if name in COMPUTING:
+            if types.act == "int16" and name in _SAME_SHAPE_INT16:
+                ins = [self.same_shape(e, eqn) for e in ins]
             xs = [self.materialize(x, q, eqn, name)[0] for x, q in ins]
             out = _bind(eqn, xs)[0]
             if (name, types.act) in _FIXED_OUTPUT:
                 return [self.fixed_site(out, eqn, name, types.act)]
             return [self.site(out, eqn, name, types)]
         return self.unsupported(eqn, ins, f"op {name!r}")
+
+    def same_shape(self, entry: tuple[Any, Rep], eqn: Any) -> tuple[Any, Rep]:
+        """An operand of an int16 ``eqn`` whose kernel takes one shape, broadcast to it.
+
+        Raises:
+            UnsupportedOpError: For an activation of another shape: litert-converter
+                0.5.0 folds a broadcast back into the int16 ``ADD``, then refuses it.
+        """
+        x, q = entry
+        shape = tuple(eqn.outvars[0].aval.shape)
+        if np.shape(x) == shape:
+            return entry
+        if q.kind == "const":  # a full constant (a broadcast view stays a broadcast)
+            return np.array(np.broadcast_to(np.asarray(x), shape)), q
+        raise UnsupportedOpError(
+            f"{eqn.primitive.name} in module {self.describe(eqn)} broadcasts an int16 "
+            f"activation of shape {tuple(np.shape(x))} to {shape}: LiteRT's int16 ADD takes "
+            "operands of one shape and litert-converter 0.5.0 folds a broadcast back into "
+            "it; use int8 for this module (a rule), or add operands of one shape"
+        )
 
     def unsupported(self, eqn: Any, ins: list[tuple[Any, Rep]], what: str) -> list:
         """Raises (strict), or computes ``eqn`` in float."""
@@ -532,6 +568,8 @@ _FUSED = {
     "gelu": [["integer_pow", "mul", "add", "mul", "tanh", "add", "mul", "mul"]],
 }  # fmt: skip
 _INPUT_USES = {"softmax": 2, "log_softmax": 2, "gelu": 3}
+# Blocks whose one kernel takes int8 only (litert-converter 0.5.0's GELU).
+_INT8_ONLY = ("gelu",)
 # jax.nn functions that run as named jit calls and that the converter turns into
 # one int8 kernel (LEAKY_RELU, HARD_SWISH) when only their input and output are
 # quantized.
