@@ -77,6 +77,11 @@ class _Deferred:
     Per-output-channel affine constants that follow it (bias adds, batch-norm
     ``sub``/``mul``) are folded in: ``y = op(x, w * scale) + offset``, so the weight
     is quantized *after* folding, as TFLite's converter folds batch norm.
+
+    A matmul whose weight has several output axes (``nn.DenseGeneral`` with
+    ``features=(heads, head_dim)``) runs as a Dense on the weight with those axes
+    flattened (``params``: its dimension numbers), then a reshape to ``shape``; its
+    output channels are the result's last axes, of sizes ``channels``.
     """
 
     eqn: Any
@@ -86,6 +91,9 @@ class _Deferred:
     out_axis: int
     scale: Any = None
     offset: Any = None
+    params: dict[str, Any] | None = None
+    shape: tuple[int, ...] | None = None
+    channels: tuple[int, ...] = ()
 
 
 class Interpreter:
@@ -344,10 +352,11 @@ class Interpreter:
         if d.scale is not None:
             with jax.ensure_compile_time_eval():  # a concrete weight stays concrete
                 w = w * _along(d.scale, np.ndim(w), d.w_axis)
-        y = _bind(d.eqn, [d.x, self.weight(w, d.w_axis, self.types(d.eqn).weight, d.eqn)])[0]
+        w = self.weight(w, d.w_axis, self.types(d.eqn).weight, d.eqn)
+        y = d.eqn.primitive.bind(d.x, w, **(d.params or d.eqn.params))
         if d.offset is not None:
             y = y + jnp.asarray(_along(d.offset, y.ndim, d.out_axis), y.dtype)
-        return y, q
+        return (y if d.shape is None else jnp.reshape(y, d.shape)), q
 
     def fold(self, eqn: Any, ins: list[tuple[Any, Rep]]) -> list[tuple[Any, Rep]] | None:
         """Folds ``deferred (+|-|*|/) constant`` into the deferred contraction, if it fits."""
@@ -361,10 +370,13 @@ class Interpreter:
             return None
         # Constants stay numpy (static composite attributes) unless training traces them.
         xp: Any = jnp if self.train else np
-        n = eqn.outvars[0].aval.shape[x.out_axis]
-        v = _channel_vector(xp, c, eqn.outvars[0].aval.ndim, x.out_axis, n)
+        ndim = eqn.outvars[0].aval.ndim
+        channels = x.channels or (eqn.outvars[0].aval.shape[x.out_axis],)
+        first = x.out_axis if x.shape is None else ndim - len(channels)
+        v = _channel_vector(xp, c, ndim, first, channels)
         if v is None:
             return None
+        n = int(np.prod(channels))
         one, zero = xp.ones((n,), xp.float32), xp.zeros((n,), xp.float32)
         scale = one if x.scale is None else x.scale
         offset = zero if x.offset is None else x.offset
@@ -440,8 +452,13 @@ class Interpreter:
         if name == "reduce_sum":  # a mean (with a div) or a sum: a new scale
             x, _ = self.materialize(values[0], ins[0][1], eqn, name)
             return [(_bind(eqn, [x])[0], Rep("pending", origin=eqn))]
-        if name == "div" and kinds == ["pending", "const"]:
-            return [(_bind(eqn, values)[0], ins[0][1])]
+        if name == "div" and kinds[0] != "const" and kinds[1] == "const":
+            if _pool_or_mean(ins[0][1], values[1]):  # AVERAGE_POOL_2D or MEAN
+                return [(_bind(eqn, values)[0], ins[0][1])]
+            if ins[0][1].inherit:
+                what = f"a window sum divided by another number than its size {ins[0][1].inherit}"
+                return self.unsupported(eqn, ins, what)
+            return [self.reciprocal_mul(eqn, ins, types)]
         if name in PRESERVING and kinds[0] == "pending" and name != "reduce_max":
             # same values: quantize later
             return [(o, ins[0][1]) for o in _preserve(eqn, values)]
@@ -466,6 +483,20 @@ class Interpreter:
                 return [self.fixed_site(out, eqn, name, types.act)]
             return [self.site(out, eqn, name, types)]
         return self.unsupported(eqn, ins, f"op {name!r}")
+
+    def reciprocal_mul(self, eqn: Any, ins: list[tuple[Any, Rep]], types: rules.OpTypes) -> tuple:
+        """``x / c`` as LiteRT computes it: an int8 MUL by the quantized reciprocal ``1 / c``.
+
+        (The converter turns a division by a constant into that MUL; quantizing ``c``
+        itself would quantize another constant than the kernel's.)
+        """
+        (x, q), (c, _) = ins
+        with jax.ensure_compile_time_eval():  # a concrete constant stays concrete
+            dtype = eqn.outvars[0].aval.dtype
+            r = jnp.asarray(1, dtype) / jnp.asarray(c, dtype)
+        x, _ = self.materialize(x, q, eqn, "div")
+        r, _ = self.materialize(r, Rep("const"), eqn, "div")
+        return self.site(jax.lax.mul(x, jnp.broadcast_to(r, np.shape(x))), eqn, "div", types)
 
     def unsupported(self, eqn: Any, ins: list[tuple[Any, Rep]], what: str) -> list:
         """Raises (strict), or computes ``eqn`` in float."""
@@ -501,6 +532,13 @@ class Interpreter:
         w_axis = _out_axis(eqn, np.ndim(b)) if qb.kind == "const" else None
         if qb.kind == "const" and w_axis is not None:
             return _Deferred(eqn, a, b, w_axis, _result_axis(eqn)), pending
+        flat = _flatten_outputs(eqn, b) if qb.kind == "const" else None
+        if flat is not None:
+            w, params, channels = flat
+            shape = eqn.outvars[0].aval.shape
+            out = len(shape) - len(channels)  # the flat result's channel axis
+            d = _Deferred(eqn, a, w, np.ndim(w) - 1, out, params=params, shape=shape)
+            return dataclasses.replace(d, channels=channels), pending
         if qb.kind == "const":
             b = self.weight(b, w_axis, types.weight, eqn)
         else:
@@ -557,6 +595,28 @@ def _out_axis(eqn: Any, ndim: int) -> int | None:
     return free[0] if len(free) == 1 and not rb else None
 
 
+def _flatten_outputs(eqn: Any, w: Any) -> tuple[Any, dict[str, Any], tuple[int, ...]] | None:
+    """A matmul weight with several output axes as one (the converter's FULLY_CONNECTED).
+
+    Returns the weight as ``(contracted axes..., outputs)``, the dimension numbers
+    that contract it, and the output axes' sizes; None for a convolution, a batched
+    matmul or a weight with one output axis.
+    """
+    if eqn.primitive.name != "dot_general":
+        return None
+    (lc, rc), (_, rb) = eqn.params["dimension_numbers"]
+    free = [i for i in range(np.ndim(w)) if i not in rc]
+    if rb or len(free) < 2:
+        return None
+    kept = sorted(rc)
+    channels = tuple(int(np.shape(w)[i]) for i in free)
+    with jax.ensure_compile_time_eval():  # a concrete weight stays concrete
+        flat = jnp.transpose(w, (*kept, *free))
+        flat = jnp.reshape(flat, (*flat.shape[: len(kept)], -1))
+    numbers = ((tuple(lc), tuple(kept.index(a) for a in rc)), ((), ()))
+    return flat, dict(eqn.params, dimension_numbers=numbers), channels
+
+
 def _result_axis(eqn: Any) -> int:
     """The output axis holding a contraction's output channels."""
     if eqn.primitive.name == "conv_general_dilated":
@@ -564,15 +624,46 @@ def _result_axis(eqn: Any) -> int:
     return eqn.outvars[0].aval.ndim - 1  # dot_general: the weight's free axis comes last
 
 
-def _channel_vector(xp: Any, c: Any, ndim: int, axis: int, n: int) -> Any:
-    """``c`` as an ``(n,)`` vector if it varies at most along ``axis`` of an ``ndim`` result."""
+def _channel_vector(xp: Any, c: Any, ndim: int, axis: int, channels: tuple[int, ...]) -> Any:
+    """``c`` as one flat vector if it varies at most along the channel axes of a result.
+
+    The channel axes of the ``ndim`` result start at ``axis`` and have sizes
+    ``channels`` (one axis, or a DenseGeneral's several).
+    """
     shape = tuple(np.shape(c))
     if len(shape) > ndim:
         return None
     full = (1,) * (ndim - len(shape)) + shape
-    if any(d != 1 for i, d in enumerate(full) if i != axis) or full[axis] not in (1, n):
+    inside = full[axis : axis + len(channels)]
+    if any(d != 1 for i, d in enumerate(full) if not axis <= i < axis + len(channels)):
         return None
-    return xp.broadcast_to(xp.reshape(xp.asarray(c, xp.float32), (-1,)), (n,))
+    if any(d not in (1, n) for d, n in zip(inside, channels, strict=True)):
+        return None
+    v = xp.broadcast_to(xp.reshape(xp.asarray(c, xp.float32), inside), channels)
+    return xp.reshape(v, (-1,))
+
+
+def _pool_or_mean(q: Rep, c: Any) -> bool:
+    """Whether dividing ``q``'s pending sum by ``c`` is an average pooling or a mean.
+
+    The converter makes ``reduce_window_sum`` / window size one AVERAGE_POOL_2D and
+    ``reduce_sum`` / count one MEAN; another divisor is a MUL by its reciprocal.
+    """
+    if q.kind != "pending" or np.size(c) == 0:
+        return False
+    try:
+        c = np.asarray(c, np.float64)
+    except TypeError:  # traced (QAT): not a count
+        return False
+    if not np.all(c == c.flat[0]):
+        return False
+    if q.inherit:
+        return bool(c.flat[0] == q.inherit)
+    origin = q.origin
+    if origin is None or origin.primitive.name != "reduce_sum":
+        return False
+    shape = origin.invars[0].aval.shape
+    return bool(c.flat[0] == np.prod([shape[a] for a in origin.params["axes"]]))
 
 
 def _along(v: Any, ndim: int, axis: int) -> Any:
