@@ -59,7 +59,9 @@ class Rep:
     ``origin`` is the equation that produced a pending value (its rule decides
     the type of the value's site); ``inherit`` is the window size of an average
     pooling, whose output keeps its input's parameters. ``qtype`` is the qcore
-    name of a quantized value's LiteRT type.
+    name of a quantized value's LiteRT type. ``source`` holds the integer values
+    of an integer array converted to float (a mask), which a comparison or a
+    conversion back to integers uses instead of the quantized floats.
     """
 
     kind: str
@@ -68,6 +70,7 @@ class Rep:
     qtype: str = "int8"
     inherit: int = 0  # the pooling window's size
     origin: Any = None
+    source: Any = None
 
 
 @dataclasses.dataclass
@@ -314,7 +317,8 @@ class Interpreter:
                 return v.val
             return local[v] if v in local else read(v)[0]
 
-        for eqn in block:
+        moved = _moved_softmax(block, x) if kind == "softmax" else None
+        for eqn in block if moved is None else []:
             ins = [value(v) for v in eqn.invars]
             kept = _unbounded(eqn.primitive.name, ins)
             if kept is not None:
@@ -324,7 +328,7 @@ class Interpreter:
                 continue
             for v, o in zip(eqn.outvars, _bind(eqn, ins), strict=True):
                 local[v] = o
-        y = local[block[-1].outvars[0]]
+        y = local[block[-1].outvars[0]] if moved is None else moved
         if kind not in ("softmax", "log_softmax") or types.act is None:
             return self.site(y, block[-1], kind, types)
         if kind == "log_softmax" and types.act != "int8":
@@ -427,7 +431,11 @@ class Interpreter:
             types = self.types(eqn)
             if types.act is None:
                 return self.float_op(eqn, ins)
-            return [self.site(_bind(eqn, values)[0], eqn, name, types)]
+            y, q = self.site(_bind(eqn, values)[0], eqn, name, types)
+            return [(y, dataclasses.replace(q, source=values[0]))]
+        back = _from_integers(eqn, ins)
+        if back is not None:  # a mask converted to float, compared or converted back
+            return [(o, Rep("int")) for o in _bind(eqn, back)]
         if all(k in ("int", "const") for k in kinds) and _integer(eqn.outvars):
             return [(o, Rep("int")) for o in _bind(eqn, values)]  # index arithmetic, masks
         types = self.types(eqn)
@@ -466,6 +474,8 @@ class Interpreter:
             # (A constant here is a table that gather/dynamic_slice look up: int8 too.)
             x, q = self.materialize(values[0], ins[0][1], eqn, name)
             return [(o, q) for o in _preserve(eqn, [x, *values[1:]])]
+        if name == "select_n" and kinds[0] == "int":  # jnp.where(mask, x, y)
+            return [self.select(eqn, ins, types)]
         if name == "concatenate":
             # TFLite's CONCATENATION shares one scale: the converter writes a matmul/
             # convolution output feeding it at the concat's scale (one rounding) and
@@ -483,6 +493,33 @@ class Interpreter:
                 return [self.fixed_site(out, eqn, name, types.act)]
             return [self.site(out, eqn, name, types)]
         return self.unsupported(eqn, ins, f"op {name!r}")
+
+    def select(self, eqn: Any, ins: list[tuple[Any, Rep]], types: rules.OpTypes) -> tuple:
+        """``select_n`` on an integer or boolean predicate: LiteRT's int8 SELECT_V2.
+
+        With one non-constant case (``jnp.where(mask, scores, big_negative)``), the
+        output keeps its scale and the constants are quantized with it: an
+        attention mask's ``finfo.min`` becomes the range's minimum, not a range
+        of 1e38 that would leave the scores no resolution. Otherwise the output
+        has a site of its own, the converter requantizing the cases to it.
+        """
+        (p, _), cases = ins[0], ins[1:]
+        live = [i for i, (_, q) in enumerate(cases) if q.kind != "const"]
+        if len(live) != 1:
+            xs = [self.materialize(x, q, eqn, "select_n")[0] for x, q in cases]
+            return self.site(_bind(eqn, [p, *xs])[0], eqn, "select_n", types)
+        x, q = self.materialize(*cases[live[0]], eqn, "select_n")
+        xs = []
+        for i, (c, _) in enumerate(cases):
+            if i == live[0]:
+                xs.append(x)
+            elif self.observing:  # no parameters yet: the range the site will have
+                xs.append(jnp.clip(jnp.asarray(c, x.dtype), jnp.min(x), jnp.max(x)))
+            else:
+                with jax.ensure_compile_time_eval():
+                    c = jnp.broadcast_to(jnp.asarray(c, x.dtype), np.shape(x))
+                xs.append(self.fq(c, q))
+        return _bind(eqn, [p, *xs])[0], q
 
     def reciprocal_mul(self, eqn: Any, ins: list[tuple[Any, Rep]], types: rules.OpTypes) -> tuple:
         """``x / c`` as LiteRT computes it: an int8 MUL by the quantized reciprocal ``1 / c``.
@@ -555,6 +592,9 @@ _FUSED = {
          "reduce_sum", "broadcast_in_dim", "div"],
         ["reduce_max", "broadcast_in_dim", "stop_gradient", "sub", "exp", "reduce_sum",
          "broadcast_in_dim", "div"],
+        # under vmap (nnx.MultiHeadAttention): the input and its max are transposed
+        ["reduce_max", "max", "transpose", "broadcast_in_dim", "stop_gradient", "transpose",
+         "sub", "exp", "reduce_sum", "broadcast_in_dim", "div"],
     ],
     "log_softmax": [
         ["reduce_max", "max", "broadcast_in_dim", "stop_gradient", "sub", "exp",
@@ -584,6 +624,21 @@ def _match(eqns: list[Any], i: int) -> tuple[str | None, int]:
             if sum(x in e.invars for e in block) == _INPUT_USES[kind]:
                 return kind, len(names)
     return None, 0
+
+
+def _moved_softmax(block: list[Any], x: Any) -> Any:
+    """A softmax whose input is transposed inside it (vmap), as ``softmax(transpose(x))``.
+
+    The converter fuses only the plain sequence into one SOFTMAX: with the
+    transposes inside, it left a float SUB and SOFTMAX. None for a plain block.
+    """
+    x_var = block[0].invars[0]
+    moves = [e for e in block if e.primitive.name == "transpose" and e.invars[0] is x_var]
+    if not moves:
+        return None
+    perm = tuple(moves[0].params["permutation"])
+    axes = tuple(perm.index(a) for a in block[0].params["axes"])
+    return jax.nn.softmax(jnp.transpose(x, perm), axis=axes)
 
 
 def _out_axis(eqn: Any, ndim: int) -> int | None:
@@ -641,6 +696,35 @@ def _channel_vector(xp: Any, c: Any, ndim: int, axis: int, channels: tuple[int, 
         return None
     v = xp.broadcast_to(xp.reshape(xp.asarray(c, xp.float32), inside), channels)
     return xp.reshape(v, (-1,))
+
+
+_COMPARISONS = ("eq", "ne", "gt", "ge", "lt", "le")
+
+
+def _from_integers(eqn: Any, ins: list[tuple[Any, Rep]]) -> list[Any] | None:
+    """The integer operands of a comparison or integer conversion of a float mask.
+
+    ``jnp.where(mask.astype(jnp.float32), ...)`` compares the float mask with 0, and
+    Flax converts it back to bool: both are done on the integers it was converted
+    from (int32; constants must be integers), not on its quantized floats. None if
+    ``eqn`` is not such an op.
+    """
+    name = eqn.primitive.name
+    if not any(q.source is not None for _, q in ins) or not _integer(eqn.outvars):
+        return None
+    if name == "convert_element_type" and len(ins) == 1:
+        return [ins[0][1].source]
+    if name not in _COMPARISONS:
+        return None
+    values = []
+    for x, q in ins:
+        if q.source is not None:
+            values.append(jax.lax.convert_element_type(q.source, jnp.int32))
+        elif q.kind == "const" and np.all(np.asarray(x) == np.round(np.asarray(x))):
+            values.append(np.asarray(x).astype(np.int32))
+        else:
+            return None
+    return values
 
 
 def _pool_or_mean(q: Rep, c: Any) -> bool:

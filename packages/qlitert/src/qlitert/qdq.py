@@ -319,6 +319,13 @@ def fake_quant(
 
     if not composite:
         return decomposition(x, **attrs)
+    if x.ndim > 4 and axis is None:
+        # litert-converter 0.5.0 fails to legalize the quantization of a tensor of more
+        # than 4 dimensions (nnx.MultiHeadAttention makes 5): the annotation is on a
+        # 4-d view, between reshapes (scale-preserving in LiteRT).
+        flat = jnp.reshape(x, (-1, *x.shape[-3:]))
+        fq = jax.lax.composite(decomposition, name="quant.fake_quant")(flat, **attrs)
+        return jnp.reshape(fq, x.shape)
     return jax.lax.composite(decomposition, name="quant.fake_quant")(x, **attrs)
 
 
