@@ -308,27 +308,36 @@ class Interpreter:
     def fused(self, kind: str, block: list[Any], read: Callable[[Any], Any]) -> tuple[Any, Rep]:
         """A softmax or GELU block: one TFLite kernel, quantized input and output only."""
         types = self.types(block[-1])
-        x, q = read(block[0].invars[0])
+        x, q = read(_block_input(block))
         x, _ = self.materialize(x, q, block[0], kind, float_op=types.act is None)
-        local: dict[Any, Any] = {block[0].invars[0]: x}
 
-        def value(v: Any) -> Any:
-            if isinstance(v, jex.core.Literal):
-                return v.val
-            return local[v] if v in local else read(v)[0]
+        def replay(x: Any) -> Any:
+            local: dict[Any, Any] = {_block_input(block): x}
 
-        moved = _moved_softmax(block, x) if kind == "softmax" else None
-        for eqn in block if moved is None else []:
-            ins = [value(v) for v in eqn.invars]
-            kept = _unbounded(eqn.primitive.name, ins)
-            if kept is not None:
-                # the max's initial -inf: left in, the converter does not recognise the
-                # block as one LOG_SOFTMAX kernel
-                local[eqn.outvars[0]] = ins[kept]
-                continue
-            for v, o in zip(eqn.outvars, _bind(eqn, ins), strict=True):
-                local[v] = o
-        y = local[block[-1].outvars[0]] if moved is None else moved
+            def value(v: Any) -> Any:
+                if isinstance(v, jex.core.Literal):
+                    return v.val
+                return local[v] if v in local else read(v)[0]
+
+            for eqn in block:
+                ins = [value(v) for v in eqn.invars]
+                kept = _unbounded(eqn.primitive.name, ins)
+                if kept is not None:
+                    # the max's initial -inf: left in, the converter does not recognise
+                    # the block as one LOG_SOFTMAX kernel
+                    local[eqn.outvars[0]] = ins[kept]
+                    continue
+                for v, o in zip(eqn.outvars, _bind(eqn, ins), strict=True):
+                    local[v] = o
+            return local[block[-1].outvars[0]]
+
+        y = _moved_softmax(block, x) if kind == "softmax" else None
+        if kind == "gelu_exact" and not self.train:  # (jax.grad cannot go through composites)
+            # litert-converter 0.5.0 expands erfc into float arithmetic, but lowers
+            # PyTorch's exact gelu composite (approximate="none") to one GELU kernel.
+            gelu = jax.lax.composite(lambda v, **_: replay(v), name="aten.gelu.default")
+            y = gelu(x, approximate="none")
+        y = replay(x) if y is None else y
         if kind not in ("softmax", "log_softmax") or types.act is None:
             return self.site(y, block[-1], kind, types)
         if kind == "log_softmax" and types.act != "int8":
@@ -583,9 +592,9 @@ class Interpreter:
         return _bind(eqn, [a, b])[0], pending
 
 
-# Primitive sequences of jax.nn.softmax and of Flax's (tanh-approximated) gelu in
-# jax 0.10.2's jaxprs; the converter turns each into one SOFTMAX / GELU kernel when
-# no quantization sits inside.
+# Primitive sequences of jax.nn.softmax and of gelu (Flax's tanh approximation, and
+# the exact one) in jax 0.10.2's jaxprs; the converter turns each into one SOFTMAX /
+# GELU kernel when no quantization sits inside.
 _FUSED = {
     "softmax": [
         ["reduce_max", "max", "broadcast_in_dim", "stop_gradient", "sub", "exp",
@@ -603,12 +612,19 @@ _FUSED = {
          "broadcast_in_dim", "log", "sub"],
     ],
     "gelu": [["integer_pow", "mul", "add", "mul", "tanh", "add", "mul", "mul"]],
+    # jax.nn.gelu(approximate=False): x / 2 * erfc(-x / sqrt(2))
+    "gelu_exact": [["mul", "neg", "mul", "erfc", "mul"]],
 }  # fmt: skip
-_INPUT_USES = {"softmax": 2, "log_softmax": 2, "gelu": 3}
+_INPUT_USES = {"softmax": 2, "log_softmax": 2, "gelu": 3, "gelu_exact": 2}
 # jax.nn functions that run as named jit calls and that the converter turns into
 # one int8 kernel (LEAKY_RELU, HARD_SWISH) when only their input and output are
 # quantized.
 NAMED_KERNELS = ("leaky_relu", "hard_silu", "hard_swish")
+
+
+def _block_input(block: list[Any]) -> Any:
+    """The input of a fused block: its first op's first variable (exact gelu's ``0.5 * x``)."""
+    return next(v for v in block[0].invars if not isinstance(v, jex.core.Literal))
 
 
 def _match(eqns: list[Any], i: int) -> tuple[str | None, int]:
@@ -618,9 +634,9 @@ def _match(eqns: list[Any], i: int) -> tuple[str | None, int]:
             block = eqns[i : i + len(names)]
             if [e.primitive.name for e in block] != names:
                 continue
-            x = block[0].invars[0]
+            x = _block_input(block)
             # The block's input feeds exactly these ops: softmax's reduce_max and sub;
-            # gelu's integer_pow, first add and last mul.
+            # gelu's integer_pow, first add and last mul; exact gelu's mul and neg.
             if sum(x in e.invars for e in block) == _INPUT_USES[kind]:
                 return kind, len(names)
     return None, 0
@@ -632,7 +648,7 @@ def _moved_softmax(block: list[Any], x: Any) -> Any:
     The converter fuses only the plain sequence into one SOFTMAX: with the
     transposes inside, it left a float SUB and SOFTMAX. None for a plain block.
     """
-    x_var = block[0].invars[0]
+    x_var = _block_input(block)
     moves = [e for e in block if e.primitive.name == "transpose" and e.invars[0] is x_var]
     if not moves:
         return None
