@@ -364,3 +364,65 @@ def test_exact_gelu_is_one_int8_gelu_kernel():
     assert_integer_kernels(report)
     # Measured: 0.012 relative L2 error against the float model.
     assert relative_error(qlitert.LiteRTModel(tfl)(x), fn(x)) < 0.05
+
+
+class GRU(nn.Module):
+    """A GRU over a short sequence (nn.RNN: a jax.lax.scan), then a Dense head."""
+
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(4)(nn.RNN(nn.GRUCell(8))(x))
+
+
+def test_a_scanned_gru_is_unrolled_into_int8_kernels():
+    # Issue 21, bug 3: a scan's body ran once, as a plain call, on the stacked input
+    # ("dot_general requires contracting dimensions to have the same shape").
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(2, 4, 3)).astype(np.float32)
+    params = GRU().init(jax.random.key(0), x)
+
+    def fn(v):
+        return GRU().apply(params, v)
+
+    batches = [rng.normal(size=x.shape).astype(np.float32) for _ in range(5)]
+    tfl, report = convert(fn, [x, *batches])  # export validates
+    names = report.op_names()
+    # Unrolled: three gates per step, each a FULLY_CONNECTED on the input and one on
+    # the carry (none on the first step's zero carry), then the head.
+    assert names.count("LOGISTIC") == 2 * 4 and names.count("TANH") == 4, names
+    assert "WHILE" not in names and "FULLY_CONNECTED" in names, names
+    assert_integer_kernels(report)
+    # Measured: 0.158 relative L2 error against the float model (four int8 steps, each
+    # with its own ranges; export's agreement check with JAX passes).
+    assert relative_error(qlitert.LiteRTModel(tfl)(x), fn(x)) < 0.25
+
+
+def test_a_fori_loop_with_static_bounds_is_unrolled():
+    # jax.lax.fori_loop with Python bounds is a scan (with an int32 counter in its carry).
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(2, 4, 4, 3)).astype(np.float32)
+    model = ConvThen(lambda h: jax.lax.fori_loop(0, 3, lambda i, c: jnp.tanh(c) + h, h))
+    params = model.init(jax.random.key(0), x)
+
+    def fn(v):
+        return model.apply(params, v)
+
+    batches = [rng.normal(size=x.shape).astype(np.float32) for _ in range(3)]
+    tfl, report = convert(fn, [x, *batches])  # export validates
+    names = report.op_names()
+    assert names.count("TANH") == 3 and names.count("ADD") == 3, names
+    assert_integer_kernels(report)
+    # Measured: 0.011 relative L2 error against the float model.
+    assert relative_error(qlitert.LiteRTModel(tfl)(x), fn(x)) < 0.05
+
+
+def test_a_while_loop_is_refused_by_name():
+    x = RNG.normal(size=(2, 4, 4, 3)).astype(np.float32)
+
+    def halve(h):
+        return jax.lax.while_loop(lambda c: jnp.max(c) > 1.0, lambda c: c / 2.0, h)
+
+    model = ConvThen(halve)
+    params = model.init(jax.random.key(0), x)
+    with pytest.raises(qlitert.UnsupportedOpError, match=r"op 'while' .* allowed: jax.lax.scan"):
+        qlitert.calibrate(lambda v: model.apply(params, v), [x])

@@ -418,6 +418,14 @@ class Interpreter:
             x, _ = self.materialize(values[0], ins[0][1], eqn, name, float_op=types.act is None)
             out = _bind(eqn, [x, *values[1:]])[0]
             return [self.site(out, eqn, str(eqn.params["name"]), types)]
+        if name == "scan":
+            return self.scan(eqn, ins)
+        if name == "while":
+            raise UnsupportedOpError(
+                f"op 'while' (jax.lax.while_loop) in module {self.describe(eqn)} has no static "
+                "trip count and cannot be unrolled for LiteRT's int8 kernels; allowed: "
+                "jax.lax.scan, fori_loop with static bounds, or flax's nn.RNN (unrolled)"
+            )
         if inner is not None:
             closed = inner if hasattr(inner, "jaxpr") else None
             jaxpr = closed.jaxpr if closed is not None else inner
@@ -502,6 +510,47 @@ class Interpreter:
                 return [self.fixed_site(out, eqn, name, types.act)]
             return [self.site(out, eqn, name, types)]
         return self.unsupported(eqn, ins, f"op {name!r}")
+
+    def scan(self, eqn: Any, ins: list[tuple[Any, Rep]]) -> list[tuple[Any, Rep]]:
+        """A fixed-length ``jax.lax.scan`` (``nn.RNN``, ``fori_loop``), unrolled.
+
+        The body runs once per step on the step's slices, carrying the carry, as an
+        exported model then does (each step's ops get sites of their own). The
+        stacked outputs get one site: LiteRT's CONCATENATION shares one scale.
+        """
+        p = eqn.params
+        closed, n_consts, n_carry = p["jaxpr"], p["num_consts"], p["num_carry"]
+        consts, carry = ins[:n_consts], ins[n_consts : n_consts + n_carry]
+        xs = [
+            self.materialize(x, q, eqn, "scan") if q.kind == "pending" else (x, q)
+            for x, q in ins[n_consts + n_carry :]
+        ]
+        steps = range(p["length"] - 1, -1, -1) if p["reverse"] else range(p["length"])
+        ys: list[list[tuple[Any, Rep]]] = []
+        self.outer.append(self.where(eqn))
+        try:
+            for t in steps:
+                sliced = [(_step(x, q, t), q) for x, q in xs]
+                outs = self.run(closed.jaxpr, list(closed.consts), [*consts, *carry, *sliced])
+                carry, y = outs[:n_carry], outs[n_carry:]
+                ys.append(y)
+        finally:
+            self.outer.pop()
+        if p["reverse"]:
+            ys.reverse()
+        stacked = []
+        for j, outvar in enumerate(eqn.outvars[n_carry:]):
+            column = [y[j] for y in ys]
+            kinds = {q.kind for _, q in column}
+            if kinds <= {"const"}:
+                with jax.ensure_compile_time_eval():
+                    stacked.append((jnp.stack([x for x, _ in column]), Rep("const")))
+            elif kinds <= {"int"} or self.types(eqn).act is None:
+                stacked.append((jnp.stack([x for x, _ in column]), Rep(column[0][1].kind)))
+            else:
+                xs_j = [self.materialize(x, q, eqn, "scan")[0] for x, q in column]
+                stacked.append(self.site(jnp.stack(xs_j).astype(outvar.aval.dtype), eqn, "scan"))
+        return [*carry, *stacked]
 
     def select(self, eqn: Any, ins: list[tuple[Any, Rep]], types: rules.OpTypes) -> tuple:
         """``select_n`` on an integer or boolean predicate: LiteRT's int8 SELECT_V2.
@@ -741,6 +790,14 @@ def _from_integers(eqn: Any, ins: list[tuple[Any, Rep]]) -> list[Any] | None:
         else:
             return None
     return values
+
+
+def _step(x: Any, q: Rep, t: int) -> Any:
+    """Step ``t`` of a scanned input (a constant stays concrete)."""
+    if q.kind == "const":
+        with jax.ensure_compile_time_eval():
+            return jnp.asarray(x)[t]
+    return x[t]
 
 
 def _pool_or_mean(q: Rep, c: Any) -> bool:
