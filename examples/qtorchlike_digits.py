@@ -260,7 +260,7 @@ def export(model: qnn.Sequential, path: str) -> float:
     """Exports ``model`` to a full-integer ``.tflite`` at ``path``; returns its test accuracy.
 
     The model is exported at the test set's batch shape and validated by qlitert
-    (integer kernels only, outputs within one quantization step of the model's).
+    (integer kernels only, every op within one quantization step of the model's).
     """
     import qlitert  # noqa: PLC0415 - only this option needs it
 

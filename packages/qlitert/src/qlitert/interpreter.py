@@ -63,7 +63,9 @@ class Rep:
     ``origin`` is the equation that produced a pending value (its rule decides
     the type of the value's site); ``inherit`` is the window size of an average
     pooling, whose output keeps its input's parameters. ``qtype`` is the qcore
-    name of a quantized value's LiteRT type.
+    name of a quantized value's LiteRT type. ``source`` holds the integer values
+    of an integer array converted to float (a mask), which a comparison or a
+    conversion back to integers uses instead of the quantized floats.
     """
 
     kind: str
@@ -72,6 +74,7 @@ class Rep:
     qtype: str = "int8"
     inherit: int = 0  # the pooling window's size
     origin: Any = None
+    source: Any = None
 
 
 @dataclasses.dataclass
@@ -81,6 +84,11 @@ class _Deferred:
     Per-output-channel affine constants that follow it (bias adds, batch-norm
     ``sub``/``mul``) are folded in: ``y = op(x, w * scale) + offset``, so the weight
     is quantized *after* folding, as TFLite's converter folds batch norm.
+
+    A matmul whose weight has several output axes (``nn.DenseGeneral`` with
+    ``features=(heads, head_dim)``) runs as a Dense on the weight with those axes
+    flattened (``params``: its dimension numbers), then a reshape to ``shape``; its
+    output channels are the result's last axes, of sizes ``channels``.
     """
 
     eqn: Any
@@ -90,6 +98,9 @@ class _Deferred:
     out_axis: int
     scale: Any = None
     offset: Any = None
+    params: dict[str, Any] | None = None
+    shape: tuple[int, ...] | None = None
+    channels: tuple[int, ...] = ()
 
 
 class Interpreter:
@@ -170,9 +181,19 @@ class Interpreter:
         return str(key)
 
     def site(
-        self, x: Any, eqn: Any | None, label: str, types: rules.OpTypes | None = None
+        self,
+        x: Any,
+        eqn: Any | None,
+        label: str,
+        types: rules.OpTypes | None = None,
+        *,
+        checked: bool = True,
     ) -> tuple[Any, Rep]:
-        """A quantization site on ``x`` (float when the rule's ``act_qtype`` is None)."""
+        """A quantization site on ``x`` (float when the rule's ``act_qtype`` is None).
+
+        ``checked=False``: the layer-by-layer validation does not look for its tensor
+        (the converter may fold it away).
+        """
         key = self.key(eqn, label)
         qtype = (types or self.types(eqn)).act
         self.seen.add(qtype)
@@ -193,6 +214,9 @@ class Interpreter:
         else:
             scale, zp = self.cal.params(key, qtype)
             q = Rep("q", scale, zp, qtype)
+        if not checked:
+            with qdq.untapped():
+                return self.fq(x, q, key), q
         return self.fq(x, q, key), q
 
     def materialize(
@@ -308,26 +332,36 @@ class Interpreter:
     def fused(self, kind: str, block: list[Any], read: Callable[[Any], Any]) -> tuple[Any, Rep]:
         """A softmax or GELU block: one TFLite kernel, quantized input and output only."""
         types = self.types(block[-1])
-        x, q = read(block[0].invars[0])
+        x, q = read(_block_input(block))
         x, _ = self.materialize(x, q, block[0], kind, float_op=types.act is None)
-        local: dict[Any, Any] = {block[0].invars[0]: x}
 
-        def value(v: Any) -> Any:
-            if isinstance(v, jex.core.Literal):
-                return v.val
-            return local[v] if v in local else read(v)[0]
+        def replay(x: Any) -> Any:
+            local: dict[Any, Any] = {_block_input(block): x}
 
-        for eqn in block:
-            ins = [value(v) for v in eqn.invars]
-            kept = _unbounded(eqn.primitive.name, ins)
-            if kept is not None:
-                # the max's initial -inf: left in, the converter does not recognise the
-                # block as one LOG_SOFTMAX kernel
-                local[eqn.outvars[0]] = ins[kept]
-                continue
-            for v, o in zip(eqn.outvars, _bind(eqn, ins), strict=True):
-                local[v] = o
-        y = local[block[-1].outvars[0]]
+            def value(v: Any) -> Any:
+                if isinstance(v, jex.core.Literal):
+                    return v.val
+                return local[v] if v in local else read(v)[0]
+
+            for eqn in block:
+                ins = [value(v) for v in eqn.invars]
+                kept = _unbounded(eqn.primitive.name, ins)
+                if kept is not None:
+                    # the max's initial -inf: left in, the converter does not recognise
+                    # the block as one LOG_SOFTMAX kernel
+                    local[eqn.outvars[0]] = ins[kept]
+                    continue
+                for v, o in zip(eqn.outvars, _bind(eqn, ins), strict=True):
+                    local[v] = o
+            return local[block[-1].outvars[0]]
+
+        y = _moved_softmax(block, x) if kind == "softmax" else None
+        if kind == "gelu_exact" and not self.train:  # (jax.grad cannot go through composites)
+            # litert-converter 0.5.0 expands erfc into float arithmetic, but lowers
+            # PyTorch's exact gelu composite (approximate="none") to one GELU kernel.
+            gelu = jax.lax.composite(lambda v, **_: replay(v), name="aten.gelu.default")
+            y = gelu(x, approximate="none")
+        y = replay(x) if y is None else y
         if kind not in ("softmax", "log_softmax") or types.act is None:
             return self.site(y, block[-1], kind, types)
         if kind == "log_softmax" and types.act != "int8":
@@ -355,10 +389,11 @@ class Interpreter:
         if d.scale is not None:
             with jax.ensure_compile_time_eval():  # a concrete weight stays concrete
                 w = w * _along(d.scale, np.ndim(w), d.w_axis)
-        y = _bind(d.eqn, [d.x, self.weight(w, d.w_axis, self.types(d.eqn).weight, d.eqn)])[0]
+        w = self.weight(w, d.w_axis, self.types(d.eqn).weight, d.eqn)
+        y = d.eqn.primitive.bind(d.x, w, **(d.params or d.eqn.params))
         if d.offset is not None:
             y = y + jnp.asarray(_along(d.offset, y.ndim, d.out_axis), y.dtype)
-        return y, q
+        return (y if d.shape is None else jnp.reshape(y, d.shape)), q
 
     def fold(self, eqn: Any, ins: list[tuple[Any, Rep]]) -> list[tuple[Any, Rep]] | None:
         """Folds ``deferred (+|-|*|/) constant`` into the deferred contraction, if it fits."""
@@ -372,10 +407,13 @@ class Interpreter:
             return None
         # Constants stay numpy (static composite attributes) unless training traces them.
         xp: Any = jnp if self.train else np
-        n = eqn.outvars[0].aval.shape[x.out_axis]
-        v = _channel_vector(xp, c, eqn.outvars[0].aval.ndim, x.out_axis, n)
+        ndim = eqn.outvars[0].aval.ndim
+        channels = x.channels or (eqn.outvars[0].aval.shape[x.out_axis],)
+        first = x.out_axis if x.shape is None else ndim - len(channels)
+        v = _channel_vector(xp, c, ndim, first, channels)
         if v is None:
             return None
+        n = int(np.prod(channels))
         one, zero = xp.ones((n,), xp.float32), xp.zeros((n,), xp.float32)
         scale = one if x.scale is None else x.scale
         offset = zero if x.offset is None else x.offset
@@ -404,6 +442,14 @@ class Interpreter:
             x, _ = self.materialize(values[0], ins[0][1], eqn, name, float_op=types.act is None)
             out = _bind(eqn, [x, *values[1:]])[0]
             return [self.site(out, eqn, str(eqn.params["name"]), types)]
+        if name == "scan":
+            return self.scan(eqn, ins)
+        if name == "while":
+            raise UnsupportedOpError(
+                f"op 'while' (jax.lax.while_loop) in module {self.describe(eqn)} has no static "
+                "trip count and cannot be unrolled for LiteRT's int8 kernels; allowed: "
+                "jax.lax.scan, fori_loop with static bounds, or flax's nn.RNN (unrolled)"
+            )
         if inner is not None:
             closed = inner if hasattr(inner, "jaxpr") else None
             jaxpr = closed.jaxpr if closed is not None else inner
@@ -426,7 +472,13 @@ class Interpreter:
             types = self.types(eqn)
             if types.act is None:
                 return self.float_op(eqn, ins)
-            return [self.site(_bind(eqn, values)[0], eqn, name, types)]
+            # Unchecked: a mask compared again goes back to its integers, and the
+            # converter drops the quantized copy nothing reads (its codes are exact).
+            y, q = self.site(_bind(eqn, values)[0], eqn, name, types, checked=False)
+            return [(y, dataclasses.replace(q, source=values[0]))]
+        back = _from_integers(eqn, ins)
+        if back is not None:  # a mask converted to float, compared or converted back
+            return [(o, Rep("int")) for o in _bind(eqn, back)]
         if all(k in ("int", "const") for k in kinds) and _integer(eqn.outvars):
             return [(o, Rep("int")) for o in _bind(eqn, values)]  # index arithmetic, masks
         types = self.types(eqn)
@@ -451,8 +503,13 @@ class Interpreter:
         if name == "reduce_sum":  # a mean (with a div) or a sum: a new scale
             x, _ = self.materialize(values[0], ins[0][1], eqn, name)
             return [(_bind(eqn, [x])[0], Rep("pending", origin=eqn))]
-        if name == "div" and kinds == ["pending", "const"]:
-            return [(_bind(eqn, values)[0], ins[0][1])]
+        if name == "div" and kinds[0] != "const" and kinds[1] == "const":
+            if _pool_or_mean(ins[0][1], values[1]):  # AVERAGE_POOL_2D or MEAN
+                return [(_bind(eqn, values)[0], ins[0][1])]
+            if ins[0][1].inherit:
+                what = f"a window sum divided by another number than its size {ins[0][1].inherit}"
+                return self.unsupported(eqn, ins, what)
+            return [self.reciprocal_mul(eqn, ins, types)]
         if name in PRESERVING and kinds[0] == "pending" and name != "reduce_max":
             # same values: quantize later
             return [(o, ins[0][1]) for o in _preserve(eqn, values)]
@@ -460,6 +517,8 @@ class Interpreter:
             # (A constant here is a table that gather/dynamic_slice look up: int8 too.)
             x, q = self.materialize(values[0], ins[0][1], eqn, name)
             return [(o, q) for o in _preserve(eqn, [x, *values[1:]])]
+        if name == "select_n" and kinds[0] == "int":  # jnp.where(mask, x, y)
+            return [self.select(eqn, ins, types)]
         if name == "concatenate":
             # TFLite's CONCATENATION shares one scale: the converter writes a matmul/
             # convolution output feeding it at the concat's scale (one rounding) and
@@ -508,6 +567,88 @@ class Interpreter:
             "it; use int8 for this module (a rule), or add operands of one shape"
         )
 
+    def scan(self, eqn: Any, ins: list[tuple[Any, Rep]]) -> list[tuple[Any, Rep]]:
+        """A fixed-length ``jax.lax.scan`` (``nn.RNN``, ``fori_loop``), unrolled.
+
+        The body runs once per step on the step's slices, carrying the carry, as an
+        exported model then does (each step's ops get sites of their own). The
+        stacked outputs get one site: LiteRT's CONCATENATION shares one scale.
+        """
+        p = eqn.params
+        closed, n_consts, n_carry = p["jaxpr"], p["num_consts"], p["num_carry"]
+        consts, carry = ins[:n_consts], ins[n_consts : n_consts + n_carry]
+        xs = [
+            self.materialize(x, q, eqn, "scan") if q.kind == "pending" else (x, q)
+            for x, q in ins[n_consts + n_carry :]
+        ]
+        steps = range(p["length"] - 1, -1, -1) if p["reverse"] else range(p["length"])
+        ys: list[list[tuple[Any, Rep]]] = []
+        self.outer.append(self.where(eqn))
+        try:
+            for t in steps:
+                sliced = [(_step(x, q, t), q) for x, q in xs]
+                outs = self.run(closed.jaxpr, list(closed.consts), [*consts, *carry, *sliced])
+                carry, y = outs[:n_carry], outs[n_carry:]
+                ys.append(y)
+        finally:
+            self.outer.pop()
+        if p["reverse"]:
+            ys.reverse()
+        stacked = []
+        for j, outvar in enumerate(eqn.outvars[n_carry:]):
+            column = [y[j] for y in ys]
+            kinds = {q.kind for _, q in column}
+            if kinds <= {"const"}:
+                with jax.ensure_compile_time_eval():
+                    stacked.append((jnp.stack([x for x, _ in column]), Rep("const")))
+            elif kinds <= {"int"} or self.types(eqn).act is None:
+                stacked.append((jnp.stack([x for x, _ in column]), Rep(column[0][1].kind)))
+            else:
+                xs_j = [self.materialize(x, q, eqn, "scan")[0] for x, q in column]
+                stacked.append(self.site(jnp.stack(xs_j).astype(outvar.aval.dtype), eqn, "scan"))
+        return [*carry, *stacked]
+
+    def select(self, eqn: Any, ins: list[tuple[Any, Rep]], types: rules.OpTypes) -> tuple:
+        """``select_n`` on an integer or boolean predicate: LiteRT's int8 SELECT_V2.
+
+        With one non-constant case (``jnp.where(mask, scores, big_negative)``), the
+        output keeps its scale and the constants are quantized with it: an
+        attention mask's ``finfo.min`` becomes the range's minimum, not a range
+        of 1e38 that would leave the scores no resolution. Otherwise the output
+        has a site of its own, the converter requantizing the cases to it.
+        """
+        (p, _), cases = ins[0], ins[1:]
+        live = [i for i, (_, q) in enumerate(cases) if q.kind != "const"]
+        if len(live) != 1:
+            xs = [self.materialize(x, q, eqn, "select_n")[0] for x, q in cases]
+            return self.site(_bind(eqn, [p, *xs])[0], eqn, "select_n", types)
+        x, q = self.materialize(*cases[live[0]], eqn, "select_n")
+        xs = []
+        for i, (c, _) in enumerate(cases):
+            if i == live[0]:
+                xs.append(x)
+            elif self.observing:  # no parameters yet: the range the site will have
+                xs.append(jnp.clip(jnp.asarray(c, x.dtype), jnp.min(x), jnp.max(x)))
+            else:
+                with jax.ensure_compile_time_eval():
+                    c = jnp.broadcast_to(jnp.asarray(c, x.dtype), np.shape(x))
+                xs.append(self.fq(c, q, "select_n.const"))
+        return _bind(eqn, [p, *xs])[0], q
+
+    def reciprocal_mul(self, eqn: Any, ins: list[tuple[Any, Rep]], types: rules.OpTypes) -> tuple:
+        """``x / c`` as LiteRT computes it: an int8 MUL by the quantized reciprocal ``1 / c``.
+
+        (The converter turns a division by a constant into that MUL; quantizing ``c``
+        itself would quantize another constant than the kernel's.)
+        """
+        (x, q), (c, _) = ins
+        with jax.ensure_compile_time_eval():  # a concrete constant stays concrete
+            dtype = eqn.outvars[0].aval.dtype
+            r = jnp.asarray(1, dtype) / jnp.asarray(c, dtype)
+        x, _ = self.materialize(x, q, eqn, "div")
+        r, _ = self.materialize(r, Rep("const"), eqn, "div")
+        return self.site(jax.lax.mul(x, jnp.broadcast_to(r, np.shape(x))), eqn, "div", types)
+
     def unsupported(self, eqn: Any, ins: list[tuple[Any, Rep]], what: str) -> list:
         """Raises (strict), or computes ``eqn`` in float."""
         if self.strict:
@@ -542,6 +683,13 @@ class Interpreter:
         w_axis = _out_axis(eqn, np.ndim(b)) if qb.kind == "const" else None
         if qb.kind == "const" and w_axis is not None:
             return _Deferred(eqn, a, b, w_axis, _result_axis(eqn)), pending
+        flat = _flatten_outputs(eqn, b) if qb.kind == "const" else None
+        if flat is not None:
+            w, params, channels = flat
+            shape = eqn.outvars[0].aval.shape
+            out = len(shape) - len(channels)  # the flat result's channel axis
+            d = _Deferred(eqn, a, w, np.ndim(w) - 1, out, params=params, shape=shape)
+            return dataclasses.replace(d, channels=channels), pending
         if qb.kind == "const":
             b = self.weight(b, w_axis, types.weight, eqn)
         else:
@@ -549,15 +697,18 @@ class Interpreter:
         return _bind(eqn, [a, b])[0], pending
 
 
-# Primitive sequences of jax.nn.softmax and of Flax's (tanh-approximated) gelu in
-# jax 0.10.2's jaxprs; the converter turns each into one SOFTMAX / GELU kernel when
-# no quantization sits inside.
+# Primitive sequences of jax.nn.softmax and of gelu (Flax's tanh approximation, and
+# the exact one) in jax 0.10.2's jaxprs; the converter turns each into one SOFTMAX /
+# GELU kernel when no quantization sits inside.
 _FUSED = {
     "softmax": [
         ["reduce_max", "max", "broadcast_in_dim", "stop_gradient", "sub", "exp",
          "reduce_sum", "broadcast_in_dim", "div"],
         ["reduce_max", "broadcast_in_dim", "stop_gradient", "sub", "exp", "reduce_sum",
          "broadcast_in_dim", "div"],
+        # under vmap (nnx.MultiHeadAttention): the input and its max are transposed
+        ["reduce_max", "max", "transpose", "broadcast_in_dim", "stop_gradient", "transpose",
+         "sub", "exp", "reduce_sum", "broadcast_in_dim", "div"],
     ],
     "log_softmax": [
         ["reduce_max", "max", "broadcast_in_dim", "stop_gradient", "sub", "exp",
@@ -566,14 +717,21 @@ _FUSED = {
          "broadcast_in_dim", "log", "sub"],
     ],
     "gelu": [["integer_pow", "mul", "add", "mul", "tanh", "add", "mul", "mul"]],
+    # jax.nn.gelu(approximate=False): x / 2 * erfc(-x / sqrt(2))
+    "gelu_exact": [["mul", "neg", "mul", "erfc", "mul"]],
 }  # fmt: skip
-_INPUT_USES = {"softmax": 2, "log_softmax": 2, "gelu": 3}
+_INPUT_USES = {"softmax": 2, "log_softmax": 2, "gelu": 3, "gelu_exact": 2}
 # Blocks whose one kernel takes int8 only (litert-converter 0.5.0's GELU).
-_INT8_ONLY = ("gelu",)
+_INT8_ONLY = ("gelu", "gelu_exact")
 # jax.nn functions that run as named jit calls and that the converter turns into
 # one int8 kernel (LEAKY_RELU, HARD_SWISH) when only their input and output are
 # quantized.
 NAMED_KERNELS = ("leaky_relu", "hard_silu", "hard_swish")
+
+
+def _block_input(block: list[Any]) -> Any:
+    """The input of a fused block: its first op's first variable (exact gelu's ``0.5 * x``)."""
+    return next(v for v in block[0].invars if not isinstance(v, jex.core.Literal))
 
 
 def _match(eqns: list[Any], i: int) -> tuple[str | None, int]:
@@ -583,12 +741,27 @@ def _match(eqns: list[Any], i: int) -> tuple[str | None, int]:
             block = eqns[i : i + len(names)]
             if [e.primitive.name for e in block] != names:
                 continue
-            x = block[0].invars[0]
+            x = _block_input(block)
             # The block's input feeds exactly these ops: softmax's reduce_max and sub;
-            # gelu's integer_pow, first add and last mul.
+            # gelu's integer_pow, first add and last mul; exact gelu's mul and neg.
             if sum(x in e.invars for e in block) == _INPUT_USES[kind]:
                 return kind, len(names)
     return None, 0
+
+
+def _moved_softmax(block: list[Any], x: Any) -> Any:
+    """A softmax whose input is transposed inside it (vmap), as ``softmax(transpose(x))``.
+
+    The converter fuses only the plain sequence into one SOFTMAX: with the
+    transposes inside, it left a float SUB and SOFTMAX. None for a plain block.
+    """
+    x_var = _block_input(block)
+    moves = [e for e in block if e.primitive.name == "transpose" and e.invars[0] is x_var]
+    if not moves:
+        return None
+    perm = tuple(moves[0].params["permutation"])
+    axes = tuple(perm.index(a) for a in block[0].params["axes"])
+    return jax.nn.softmax(jnp.transpose(x, perm), axis=axes)
 
 
 def _out_axis(eqn: Any, ndim: int) -> int | None:
@@ -600,6 +773,28 @@ def _out_axis(eqn: Any, ndim: int) -> int | None:
     return free[0] if len(free) == 1 and not rb else None
 
 
+def _flatten_outputs(eqn: Any, w: Any) -> tuple[Any, dict[str, Any], tuple[int, ...]] | None:
+    """A matmul weight with several output axes as one (the converter's FULLY_CONNECTED).
+
+    Returns the weight as ``(contracted axes..., outputs)``, the dimension numbers
+    that contract it, and the output axes' sizes; None for a convolution, a batched
+    matmul or a weight with one output axis.
+    """
+    if eqn.primitive.name != "dot_general":
+        return None
+    (lc, rc), (_, rb) = eqn.params["dimension_numbers"]
+    free = [i for i in range(np.ndim(w)) if i not in rc]
+    if rb or len(free) < 2:
+        return None
+    kept = sorted(rc)
+    channels = tuple(int(np.shape(w)[i]) for i in free)
+    with jax.ensure_compile_time_eval():  # a concrete weight stays concrete
+        flat = jnp.transpose(w, (*kept, *free))
+        flat = jnp.reshape(flat, (*flat.shape[: len(kept)], -1))
+    numbers = ((tuple(lc), tuple(kept.index(a) for a in rc)), ((), ()))
+    return flat, dict(eqn.params, dimension_numbers=numbers), channels
+
+
 def _result_axis(eqn: Any) -> int:
     """The output axis holding a contraction's output channels."""
     if eqn.primitive.name == "conv_general_dilated":
@@ -607,15 +802,83 @@ def _result_axis(eqn: Any) -> int:
     return eqn.outvars[0].aval.ndim - 1  # dot_general: the weight's free axis comes last
 
 
-def _channel_vector(xp: Any, c: Any, ndim: int, axis: int, n: int) -> Any:
-    """``c`` as an ``(n,)`` vector if it varies at most along ``axis`` of an ``ndim`` result."""
+def _channel_vector(xp: Any, c: Any, ndim: int, axis: int, channels: tuple[int, ...]) -> Any:
+    """``c`` as one flat vector if it varies at most along the channel axes of a result.
+
+    The channel axes of the ``ndim`` result start at ``axis`` and have sizes
+    ``channels`` (one axis, or a DenseGeneral's several).
+    """
     shape = tuple(np.shape(c))
     if len(shape) > ndim:
         return None
     full = (1,) * (ndim - len(shape)) + shape
-    if any(d != 1 for i, d in enumerate(full) if i != axis) or full[axis] not in (1, n):
+    inside = full[axis : axis + len(channels)]
+    if any(d != 1 for i, d in enumerate(full) if not axis <= i < axis + len(channels)):
         return None
-    return xp.broadcast_to(xp.reshape(xp.asarray(c, xp.float32), (-1,)), (n,))
+    if any(d not in (1, n) for d, n in zip(inside, channels, strict=True)):
+        return None
+    v = xp.broadcast_to(xp.reshape(xp.asarray(c, xp.float32), inside), channels)
+    return xp.reshape(v, (-1,))
+
+
+_COMPARISONS = ("eq", "ne", "gt", "ge", "lt", "le")
+
+
+def _from_integers(eqn: Any, ins: list[tuple[Any, Rep]]) -> list[Any] | None:
+    """The integer operands of a comparison or integer conversion of a float mask.
+
+    ``jnp.where(mask.astype(jnp.float32), ...)`` compares the float mask with 0, and
+    Flax converts it back to bool: both are done on the integers it was converted
+    from (int32; constants must be integers), not on its quantized floats. None if
+    ``eqn`` is not such an op.
+    """
+    name = eqn.primitive.name
+    if not any(q.source is not None for _, q in ins) or not _integer(eqn.outvars):
+        return None
+    if name == "convert_element_type" and len(ins) == 1:
+        return [ins[0][1].source]
+    if name not in _COMPARISONS:
+        return None
+    values = []
+    for x, q in ins:
+        if q.source is not None:
+            values.append(jax.lax.convert_element_type(q.source, jnp.int32))
+        elif q.kind == "const" and np.all(np.asarray(x) == np.round(np.asarray(x))):
+            values.append(np.asarray(x).astype(np.int32))
+        else:
+            return None
+    return values
+
+
+def _step(x: Any, q: Rep, t: int) -> Any:
+    """Step ``t`` of a scanned input (a constant stays concrete)."""
+    if q.kind == "const":
+        with jax.ensure_compile_time_eval():
+            return jnp.asarray(x)[t]
+    return x[t]
+
+
+def _pool_or_mean(q: Rep, c: Any) -> bool:
+    """Whether dividing ``q``'s pending sum by ``c`` is an average pooling or a mean.
+
+    The converter makes ``reduce_window_sum`` / window size one AVERAGE_POOL_2D and
+    ``reduce_sum`` / count one MEAN; another divisor is a MUL by its reciprocal.
+    """
+    if q.kind != "pending" or np.size(c) == 0:
+        return False
+    try:
+        c = np.asarray(c, np.float64)
+    except TypeError:  # traced (QAT): not a count
+        return False
+    if not np.all(c == c.flat[0]):
+        return False
+    if q.inherit:
+        return bool(c.flat[0] == q.inherit)
+    origin = q.origin
+    if origin is None or origin.primitive.name != "reduce_sum":
+        return False
+    shape = origin.invars[0].aval.shape
+    return bool(c.flat[0] == np.prod([shape[a] for a in origin.params["axes"]]))
 
 
 def _along(v: Any, ndim: int, axis: int) -> Any:

@@ -384,7 +384,7 @@ def export_tflite(
     pooling only) is left out: the tensor keeps the first quantizer's scale, a
     difference of at most half a step of the one left out. The model is exported at
     the example's (static) shape and, with ``validate``, checked by qlitert:
-    integer kernels only, outputs within one step of the JAX function.
+    integer kernels only, every op within one step of the JAX function's.
 
     The model's modes, switches and state are as before afterwards, also when the
     export fails. Every argument is checked before converting. ``path`` is written
@@ -423,7 +423,7 @@ def export_tflite(
             with calibration_mode(model):
                 model(x)
             tflite = export_tflite(model, x, path="model.tflite")
-            y = qlitert.LiteRTModel(tflite)(x)  # within one step of model.eval()(x)
+            y = qlitert.LiteRTModel(tflite)(x)  # close to model.eval()(x)
     """
     check_model(model, "export_tflite")
     for name, flag in (("validate", validate), ("overwrite", overwrite)):
