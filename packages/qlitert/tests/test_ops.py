@@ -275,3 +275,51 @@ def test_grouped_convolution_is_one_int8_conv():
     _, report = convert(lambda v: Grouped().apply(params, v), [x])
     assert report.op_names() == ["QUANTIZE", "CONV_2D", "DEQUANTIZE"]
     assert_integer_kernels(report)
+
+
+class Up(nn.Module):
+    """A convolution, then a transposed one (a decoder's upsampling)."""
+
+    strides: tuple
+    padding: object = "SAME"
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.Conv(4, (3, 3))(x)
+        return nn.ConvTranspose(4, (3, 3), strides=self.strides, padding=self.padding)(h)
+
+
+@pytest.mark.parametrize("padding", ["SAME", "VALID", ((1, 1), (1, 1))])
+def test_a_strided_transposed_convolution_is_named_in_strict_mode(padding):
+    # Issue 21, bug 10: strict mode let it through. litert-converter 0.5.0 makes a
+    # TRANSPOSE_CONV that LiteRT refuses to load (SAME: "computed_input_height !=
+    # SizeOfDimension(input, 1) (3 != 4)"), a float one (VALID), or fails (explicit).
+    x = RNG.normal(size=(2, 4, 4, 3)).astype(np.float32)
+    model = Up((2, 2), padding)
+    params = model.init(jax.random.key(0), x)
+    with pytest.raises(
+        qlitert.UnsupportedOpError,
+        match=r"transposed convolution \(conv_general_dilated with lhs_dilation=\(2, 2\)\) "
+        r"in module 'ConvTranspose_0'",
+    ):
+        qlitert.calibrate(lambda v: model.apply(params, v), [x])
+    kernel = jnp.asarray(RNG.normal(size=(3, 3, 3, 4)).astype(np.float32))
+    with pytest.raises(qlitert.UnsupportedOpError, match=r"lhs_dilation=\(2, 1\).* module ''"):
+        qlitert.calibrate(
+            lambda v: jax.lax.conv_transpose(
+                v, kernel, (2, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")
+            ),
+            [x],
+        )
+
+
+def test_a_transposed_convolution_with_stride_one_is_an_int8_conv_for_both_kernels():
+    x = RNG.normal(size=(2, 4, 4, 3)).astype(np.float32)
+    model = Up((1, 1))
+    params = model.init(jax.random.key(0), x)
+    tfl, report = convert(lambda v: model.apply(params, v), [x])  # validates (both kernels load)
+    assert report.op_names() == ["QUANTIZE", "CONV_2D", "CONV_2D", "DEQUANTIZE"]
+    ref = np.asarray(model.apply(params, x))
+    for kernels in ("xnnpack", "builtin"):
+        y = qlitert.LiteRTModel(tfl, kernels=kernels)(x)
+        assert np.linalg.norm(y - ref) / np.linalg.norm(ref) < 0.05

@@ -421,6 +421,17 @@ class Interpreter:
         types = self.types(eqn)
         if types.act is None and name not in PRESERVING:
             return self.float_op(eqn, ins)
+        dilation = tuple(eqn.params.get("lhs_dilation") or ())
+        if name == "conv_general_dilated" and any(d != 1 for d in dilation):
+            # A strided transposed convolution (nn.ConvTranspose, lax.conv_transpose):
+            # litert-converter 0.5.0 makes a TRANSPOSE_CONV that LiteRT refuses to load
+            # ('SAME' padding), keeps it float ('VALID') or fails (explicit padding).
+            what = f"a transposed convolution (conv_general_dilated with lhs_dilation={dilation})"
+            note = (
+                " (litert-converter 0.5.0 converts it in float with 'VALID' padding only: "
+                "'SAME' gives a TRANSPOSE_CONV of the wrong output shape, explicit padding fails)"
+            )
+            return self.unsupported(eqn, ins, what, note)
         if name in ("dot_general", "conv_general_dilated"):
             return [self.contraction(eqn, ins, types)]
         kept = _unbounded(name, values)
@@ -467,13 +478,13 @@ class Interpreter:
             return [self.site(out, eqn, name, types)]
         return self.unsupported(eqn, ins, f"op {name!r}")
 
-    def unsupported(self, eqn: Any, ins: list[tuple[Any, Rep]], what: str) -> list:
-        """Raises (strict), or computes ``eqn`` in float."""
+    def unsupported(self, eqn: Any, ins: list[tuple[Any, Rep]], what: str, note: str = "") -> list:
+        """Raises (strict), or computes ``eqn`` in float (``note``: on the float fallback)."""
         if self.strict:
             raise UnsupportedOpError(
                 f"{what} in module {self.describe(eqn)} cannot be quantized for LiteRT by "
                 "qlitert; pass strict=False to leave it in float, or a rule without "
-                "act_qtype for its module"
+                f"act_qtype for its module{note}"
             )
         return self.float_op(eqn, ins)
 
