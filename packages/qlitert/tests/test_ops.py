@@ -323,3 +323,25 @@ def test_a_transposed_convolution_with_stride_one_is_an_int8_conv_for_both_kerne
     for kernels in ("xnnpack", "builtin"):
         y = qlitert.LiteRTModel(tfl, kernels=kernels)(x)
         assert np.linalg.norm(y - ref) / np.linalg.norm(ref) < 0.05
+
+
+@pytest.mark.parametrize("size", [8, 6])
+def test_nearest_resize_is_a_gather_per_axis_not_a_resize_kernel(size):
+    # Issue 21, bug 10b: JAX lowers jax.image.resize(..., "nearest") to one gather per
+    # resized axis, so the model has GATHER_NDs between TRANSPOSEs and no
+    # RESIZE_NEAREST_NEIGHBOR; the values are the input's, on its scale.
+    x = RNG.normal(size=(2, 4, 4, 3)).astype(np.float32)
+
+    def fn(v):
+        return jax.image.resize(v, (2, size, size, 3), "nearest")
+
+    cal = qlitert.calibrate(fn, [x])
+    tfl = qlitert.export(qlitert.annotate(fn, cal), x)
+    assert qlitert.inspect(tfl).op_names() == [
+        "QUANTIZE", "TRANSPOSE", "GATHER_ND", "TRANSPOSE", "GATHER_ND", "TRANSPOSE", "DEQUANTIZE"
+    ]  # fmt: skip
+    scale, zp = (float(v[0]) for v in cal.params("0:input0@"))
+    q = np.clip(np.sign(x) * np.floor(np.abs(x) / scale + 0.5) + zp, -128, 127)  # half away
+    idx = np.floor((np.arange(size) + 0.5) * 4 / size).astype(int)  # nearest source pixel
+    want = ((q - zp) * scale)[:, idx][:, :, idx]
+    np.testing.assert_allclose(qlitert.LiteRTModel(tfl)(x), want, atol=1e-6)
