@@ -289,40 +289,43 @@ class Up(nn.Module):
         return nn.ConvTranspose(4, (3, 3), strides=self.strides, padding=self.padding)(h)
 
 
-@pytest.mark.parametrize("padding", ["SAME", "VALID", ((1, 1), (1, 1))])
-def test_a_strided_transposed_convolution_is_named_in_strict_mode(padding):
-    # Issue 21, bug 10: strict mode let it through. litert-converter 0.5.0 makes a
-    # TRANSPOSE_CONV that LiteRT refuses to load (SAME: "computed_input_height !=
-    # SizeOfDimension(input, 1) (3 != 4)"), a float one (VALID), or fails (explicit).
-    x = RNG.normal(size=(2, 4, 4, 3)).astype(np.float32)
-    model = Up((2, 2), padding)
+@pytest.mark.parametrize(
+    ("strides", "padding"),
+    [((2, 2), "SAME"), ((2, 2), "VALID"), ((2, 2), ((1, 1), (1, 1))), ((2, 1), "SAME"),
+     ((3, 3), "SAME"), ((1, 1), "SAME")],
+)  # fmt: skip
+def test_a_transposed_convolution_is_an_int8_conv_that_both_kernels_run(strides, padding):
+    # Issue 21, bug 10a: strict mode let a strided one through, and litert-converter
+    # 0.5.0 made a TRANSPOSE_CONV that LiteRT refused to load (SAME:
+    # "computed_input_height != SizeOfDimension(input, 1) (3 != 4)"), a float one
+    # (VALID) or failed (explicit padding). Now: zeros inserted in int8, a CONV_2D.
+    x = RNG.normal(size=(2, 4, 5, 3)).astype(np.float32)
+    model = Up(strides, padding)
     params = model.init(jax.random.key(0), x)
-    with pytest.raises(
-        qlitert.UnsupportedOpError,
-        match=r"transposed convolution \(conv_general_dilated with lhs_dilation=\(2, 2\)\) "
-        r"in module 'ConvTranspose_0'",
-    ):
-        qlitert.calibrate(lambda v: model.apply(params, v), [x])
-    kernel = jnp.asarray(RNG.normal(size=(3, 3, 3, 4)).astype(np.float32))
-    with pytest.raises(qlitert.UnsupportedOpError, match=r"lhs_dilation=\(2, 1\).* module ''"):
-        qlitert.calibrate(
-            lambda v: jax.lax.conv_transpose(
-                v, kernel, (2, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")
-            ),
-            [x],
-        )
-
-
-def test_a_transposed_convolution_with_stride_one_is_an_int8_conv_for_both_kernels():
-    x = RNG.normal(size=(2, 4, 4, 3)).astype(np.float32)
-    model = Up((1, 1))
-    params = model.init(jax.random.key(0), x)
-    tfl, report = convert(lambda v: model.apply(params, v), [x])  # validates (both kernels load)
-    assert report.op_names() == ["QUANTIZE", "CONV_2D", "CONV_2D", "DEQUANTIZE"]
-    ref = np.asarray(model.apply(params, x))
+    # Calibrated on x alone: its ranges cover x, so the float model differs by rounding only.
+    tfl, report = convert(lambda v: model.apply(params, v), [x])  # validates both kernels
+    names = report.op_names()
+    assert "TRANSPOSE_CONV" not in names and names.count("CONV_2D") == 2, names
+    assert_integer_kernels(report)
+    ref = np.asarray(model.apply(params, x))  # the float model
     for kernels in ("xnnpack", "builtin"):
         y = qlitert.LiteRTModel(tfl, kernels=kernels)(x)
-        assert np.linalg.norm(y - ref) / np.linalg.norm(ref) < 0.05
+        assert y.shape == ref.shape and np.linalg.norm(y - ref) / np.linalg.norm(ref) < 0.05
+
+
+def test_lax_conv_transpose_converts_too():
+    x = RNG.normal(size=(2, 4, 4, 3)).astype(np.float32)
+    kernel = jnp.asarray(RNG.normal(size=(3, 3, 3, 4)).astype(np.float32))
+
+    def fn(v):
+        dims = ("NHWC", "HWIO", "NHWC")
+        return jax.lax.conv_transpose(v, kernel, (2, 2), "SAME", dimension_numbers=dims)
+
+    tfl, report = convert(fn, [x])
+    assert report.op_names()[-2:] == ["CONV_2D", "DEQUANTIZE"]
+    ref = np.asarray(fn(x))
+    y = qlitert.LiteRTModel(tfl, kernels="builtin")(x)
+    assert np.linalg.norm(y - ref) / np.linalg.norm(ref) < 0.05
 
 
 @pytest.mark.parametrize("size", [8, 6])

@@ -262,8 +262,9 @@ def annotate(
         int8_io: The annotated function takes and returns integer codes (int8, or
             int16 under an int16 rule) for its float inputs and outputs, quantized
             with the input and output sites' parameters, so the exported model has
-            integer inputs and outputs and no QUANTIZE / DEQUANTIZE ops. Integer
-            inputs of other types (e.g. int32 token ids) pass unchanged.
+            integer inputs and outputs and no float tensor (no QUANTIZE from float,
+            no DEQUANTIZE; int8 requantizations inside, e.g. in a layer norm, stay).
+            Integer inputs of other types (e.g. int32 token ids) pass unchanged.
 
     Raises:
         UnsupportedOpError: In strict mode, for an op that cannot be quantized.
