@@ -8,6 +8,7 @@ import pytest
 from flax import nnx
 
 import qlitert
+from qcore.testing import assert_rejects
 
 RNG = np.random.default_rng(0)
 
@@ -198,6 +199,74 @@ def test_int8_io_variant_takes_and_returns_codes():
     float_out = qlitert.LiteRTModel(tfl)(x)
     float_model = qlitert.LiteRTModel(qlitert.export(qlitert.annotate(fn, cal), x))(x)
     np.testing.assert_allclose(float_out, float_model, atol=1e-6)  # the same integer kernels
+
+
+class Head(nn.Module):
+    """A Dense (or a small CNN) then the op under test: the small models of issue 21, bug 9."""
+
+    kind: str
+
+    @nn.compact
+    def __call__(self, x):
+        if self.kind == "cnn":
+            x = nn.max_pool(nn.relu(nn.Conv(8, (3, 3))(x)), (2, 2), (2, 2))
+            return nn.Dense(4)(x.reshape(x.shape[0], -1))
+        h = nn.Dense(8)(x)
+        if self.kind == "mlp":
+            return nn.Dense(4)(nn.relu(h))
+        if self.kind == "tanh":
+            return jnp.tanh(nn.Dense(4)(nn.relu(h)))
+        if self.kind == "layernorm":
+            return nn.LayerNorm()(h)
+        if self.kind == "residual":
+            return h + nn.Dense(8)(nn.relu(h))
+        if self.kind == "layernorm-dense":
+            return nn.Dense(4)(nn.LayerNorm()(h))
+        return jax.nn.softmax(nn.Dense(4)(nn.relu(h)))
+
+
+HEADS = ["mlp", "cnn", "tanh", "layernorm", "residual", "layernorm-dense", "softmax"]
+
+
+@pytest.mark.parametrize("kind", HEADS)
+def test_int8_io_models_validate_and_compute_the_float_io_models_codes(kind):
+    # Issue 21, bug 9: int8_io=True failed export's validation on 5 of 7 small models.
+    shape = (2, 8, 8, 1) if kind == "cnn" else (4, 8)
+    batches = [RNG.normal(size=shape).astype(np.float32) for _ in range(4)]
+    params = Head(kind).init(jax.random.key(0), batches[0])
+
+    def fn(x):
+        return Head(kind).apply(params, x)
+
+    cal = qlitert.calibrate(fn, batches)
+    x = batches[1]
+    int8_fn = qlitert.annotate(fn, cal, int8_io=True)
+    # Float values are not codes: refused, with how to make them.
+    assert_rejects(
+        lambda: int8_fn(x), TypeError, "int8_io=True", "input 0 has dtype float32",
+        "allowed: int8 codes", "qlitert.qdq.quantize(x, *calibration.params('0:input0@'))",
+        unchanged=(x,),
+    )  # fmt: skip
+    assert_rejects(lambda: qlitert.export(int8_fn, x), TypeError, "input 0 has dtype float32")
+    scale, zp = cal.params("0:input0@")
+    codes = np.clip(np.round(x / scale[0]) + zp[0], -128, 127).astype(np.int8)  # numpy's own
+    tfl = qlitert.export(int8_fn, codes)  # validates
+    report = qlitert.inspect(tfl)
+    assert [report.tensors[i].dtype for i in (*report.inputs, *report.outputs)] == ["INT8"] * 2
+    for op in report.ops:  # no float tensor: QUANTIZE only requantizes (layer norm)
+        ins, outs = report.op_types(op)
+        assert op.name != "DEQUANTIZE" and "FLOAT32" not in ins + outs, (op.name, ins, outs)
+    got = qlitert.LiteRTModel(tfl, quantize_io=False)(codes)
+    assert got.dtype == np.int8
+    # The float-I/O model's integer kernels, on the same input codes: the same output codes.
+    float_io = qlitert.export(qlitert.annotate(fn, cal), (codes.astype(np.float32) - zp) * scale)
+    out = qlitert.inspect(float_io)
+    last = out.tensors[out.ops[-1].inputs[0]]  # the output DEQUANTIZE's int8 input
+    assert qlitert.LiteRTModel(tfl).outputs[0]["quantization"] == pytest.approx(
+        (last.scale[0], last.zero_point[0])
+    )
+    y = qlitert.LiteRTModel(float_io)((codes.astype(np.float32) - zp) * scale)
+    np.testing.assert_array_equal(got, np.round(y / last.scale[0]) + last.zero_point[0])
 
 
 @pytest.mark.parametrize(

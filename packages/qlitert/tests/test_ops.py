@@ -426,3 +426,76 @@ def test_a_while_loop_is_refused_by_name():
     params = model.init(jax.random.key(0), x)
     with pytest.raises(qlitert.UnsupportedOpError, match=r"op 'while' .* allowed: jax.lax.scan"):
         qlitert.calibrate(lambda v: model.apply(params, v), [x])
+
+
+class Up(nn.Module):
+    """A convolution, then a transposed one (a decoder's upsampling)."""
+
+    strides: tuple
+    padding: object = "SAME"
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.Conv(4, (3, 3))(x)
+        return nn.ConvTranspose(4, (3, 3), strides=self.strides, padding=self.padding)(h)
+
+
+@pytest.mark.parametrize(
+    ("strides", "padding"),
+    [((2, 2), "SAME"), ((2, 2), "VALID"), ((2, 2), ((1, 1), (1, 1))), ((2, 1), "SAME"),
+     ((3, 3), "SAME"), ((1, 1), "SAME")],
+)  # fmt: skip
+def test_a_transposed_convolution_is_an_int8_conv_that_both_kernels_run(strides, padding):
+    # Issue 21, bug 10a: strict mode let a strided one through, and litert-converter
+    # 0.5.0 made a TRANSPOSE_CONV that LiteRT refused to load (SAME:
+    # "computed_input_height != SizeOfDimension(input, 1) (3 != 4)"), a float one
+    # (VALID) or failed (explicit padding). Now: zeros inserted in int8, a CONV_2D.
+    x = RNG.normal(size=(2, 4, 5, 3)).astype(np.float32)
+    model = Up(strides, padding)
+    params = model.init(jax.random.key(0), x)
+    # Calibrated on x alone: its ranges cover x, so the float model differs by rounding only.
+    tfl, report = convert(lambda v: model.apply(params, v), [x])  # validates both kernels
+    names = report.op_names()
+    assert "TRANSPOSE_CONV" not in names and names.count("CONV_2D") == 2, names
+    assert_integer_kernels(report)
+    ref = np.asarray(model.apply(params, x))  # the float model
+    for kernels in ("xnnpack", "builtin"):
+        y = qlitert.LiteRTModel(tfl, kernels=kernels)(x)
+        assert y.shape == ref.shape and np.linalg.norm(y - ref) / np.linalg.norm(ref) < 0.05
+
+
+def test_lax_conv_transpose_converts_too():
+    x = RNG.normal(size=(2, 4, 4, 3)).astype(np.float32)
+    kernel = jnp.asarray(RNG.normal(size=(3, 3, 3, 4)).astype(np.float32))
+
+    def fn(v):
+        dims = ("NHWC", "HWIO", "NHWC")
+        return jax.lax.conv_transpose(v, kernel, (2, 2), "SAME", dimension_numbers=dims)
+
+    tfl, report = convert(fn, [x])
+    assert report.op_names()[-2:] == ["CONV_2D", "DEQUANTIZE"]
+    ref = np.asarray(fn(x))
+    y = qlitert.LiteRTModel(tfl, kernels="builtin")(x)
+    assert np.linalg.norm(y - ref) / np.linalg.norm(ref) < 0.05
+
+
+@pytest.mark.parametrize("size", [8, 6])
+def test_nearest_resize_is_a_gather_per_axis_not_a_resize_kernel(size):
+    # Issue 21, bug 10b: JAX lowers jax.image.resize(..., "nearest") to one gather per
+    # resized axis, so the model has GATHER_NDs between TRANSPOSEs and no
+    # RESIZE_NEAREST_NEIGHBOR; the values are the input's, on its scale.
+    x = RNG.normal(size=(2, 4, 4, 3)).astype(np.float32)
+
+    def fn(v):
+        return jax.image.resize(v, (2, size, size, 3), "nearest")
+
+    cal = qlitert.calibrate(fn, [x])
+    tfl = qlitert.export(qlitert.annotate(fn, cal), x)
+    assert qlitert.inspect(tfl).op_names() == [
+        "QUANTIZE", "TRANSPOSE", "GATHER_ND", "TRANSPOSE", "GATHER_ND", "TRANSPOSE", "DEQUANTIZE"
+    ]  # fmt: skip
+    scale, zp = (float(v[0]) for v in cal.params("0:input0@"))
+    q = np.clip(np.sign(x) * np.floor(np.abs(x) / scale + 0.5) + zp, -128, 127)  # half away
+    idx = np.floor((np.arange(size) + 0.5) * 4 / size).astype(int)  # nearest source pixel
+    want = ((q - zp) * scale)[:, idx][:, :, idx]
+    np.testing.assert_allclose(qlitert.LiteRTModel(tfl)(x), want, atol=1e-6)

@@ -369,6 +369,85 @@ def test_int32_inputs_pass_unquantized_through_the_wrapper():
     assert np.max(np.abs(got - table[ids])) <= step + 1e-6
 
 
+class TokenModel(nn.Module):
+    """int32 token ids looked up in an embedding, plus a float input, then Dense layers."""
+
+    @nn.compact
+    def __call__(self, ids, x):
+        h = nn.Embed(50, 16)(ids) + nn.Dense(16)(x)
+        return nn.Dense(4)(nn.relu(nn.Dense(16)(h)))
+
+
+@pytest.fixture(scope="module")
+def token_model():
+    rng = np.random.default_rng(5)
+    batches = [
+        (rng.integers(0, 50, size=(2, 6)).astype(np.int32), rng.normal(size=(2, 6, 8)))
+        for _ in range(3)
+    ]
+    batches = [(ids, x.astype(np.float32)) for ids, x in batches]
+    params = TokenModel().init(jax.random.key(0), *batches[0])
+
+    def fn(ids, x):
+        return TokenModel().apply(params, ids, x)
+
+    return fn, qlitert.calibrate(fn, batches), batches[0]
+
+
+@pytest.mark.parametrize("quantize_io", [True, False])
+@pytest.mark.parametrize("int8_io", [False, True])
+def test_token_ids_go_in_unquantized_and_agree_with_the_annotated_model(
+    token_model, int8_io, quantize_io
+):
+    # Issue 21, bug 5: the int32 ids of a token model, run with quantize_io=True.
+    fn, cal, (ids, x) = token_model
+    annotated = qlitert.annotate(fn, cal, int8_io=int8_io)
+    s_in, z_in = cal.params("0:input1@")  # the float input's site (the ids have none)
+    x_in = np.asarray(qdq.quantize(jnp.asarray(x), s_in, z_in)) if int8_io else x
+    model = qlitert.LiteRTModel(qlitert.export(annotated, ids, x_in), quantize_io=quantize_io)
+    ids_in = model.inputs[0]
+    assert np.dtype(ids_in["dtype"]) == np.int32 and ids_in["quantization"] == (0.0, 0)
+    out_key = next(k for k in cal.ranges if k.endswith(":output0@"))
+    s_out, z_out = (float(v[0]) for v in cal.params(out_key))
+    if int8_io:  # the model's output tensor has the output site's parameters
+        np.testing.assert_allclose(model.outputs[0]["quantization"], (s_out, z_out), rtol=1e-6)
+
+    def values(y, codes):
+        y = np.asarray(y)
+        return (y.astype(np.float64) - z_out) * s_out if codes else y.astype(np.float64)
+
+    x_run = x if quantize_io else x_in  # codes in only for an int8-I/O model without conversion
+    want = values(annotated(ids, x_in), int8_io)
+    got = values(model(ids, x_run), int8_io and not quantize_io)
+    assert np.max(np.abs(got - want)) <= s_out * (1 + 1e-4)  # within one output step
+    # ids as int64 (numpy's default integers) are the same ids
+    np.testing.assert_array_equal(model(ids.astype(np.int64), x_run), model(ids, x_run))
+    # and close to the float model
+    ref = np.asarray(fn(ids, x), np.float64)
+    assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 0.05
+
+
+def test_token_ids_out_of_range_or_float_are_refused_naming_the_input(token_model):
+    fn, cal, (ids, x) = token_model
+    model = qlitert.LiteRTModel(qlitert.export(qlitert.annotate(fn, cal), ids, x))
+    for bad_id in (50, -51):  # -50..49 index the 50 rows (negative: from the end, as in JAX)
+        bad = ids.copy()
+        bad[1, 2] = bad_id
+        lo, hi = min(int(bad.min()), bad_id), max(int(bad.max()), bad_id)
+        assert_rejects(
+            lambda b=bad: model(b, x), ValueError, "input 'serving_default_x0'",
+            f"values in [{lo}, {hi}]", "GATHER_ND", "table of shape (50, 16)",
+            "allowed: indices in [-50, 49]", unchanged=(bad, x),
+        )  # fmt: skip
+    floats = ids.astype(np.float32)
+    assert_rejects(
+        lambda: model(floats, x), TypeError, "input 'serving_default_x0'", "int32 values",
+        "not quantized", "got float32", "allowed: an integer array", unchanged=(floats, x),
+    )  # fmt: skip
+    from_end = np.where(ids == ids[0, 0], ids - 50, ids)  # the same rows, counted from the end
+    np.testing.assert_array_equal(model(from_end, x), model(ids, x))
+
+
 # -- rejected inputs across the public API ----------------------------------------
 
 

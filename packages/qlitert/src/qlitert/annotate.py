@@ -91,8 +91,21 @@ def _interpret(
         if jnp.issubdtype(jnp.result_type(x), jnp.integer) and not (int8_io and _is_codes(x)):
             args.append((x, Rep("int")))  # indices: not quantized
         elif int8_io:  # codes in: dequantized with the input site's parameters
+            key = interp.key(None, f"input{i}")
+            if not _is_codes(x):
+                # Float values read as codes gave JAX fractional codes while the
+                # model's int8 input holds whole ones: export's validation compared
+                # the two on different inputs (issue 21, bug 9).
+                want = interp.types(None).act or "int8"
+                qtype = "" if want == "int8" else f", qtype={want!r}"
+                raise TypeError(
+                    f"int8_io=True: input {i} has dtype {jnp.result_type(x)}; allowed: "
+                    f"{want} codes, quantized with the input's parameters, e.g. "
+                    f"qlitert.qdq.quantize(x, *calibration.params({key!r}{qtype}){qtype}) "
+                    "(or annotate without int8_io for float inputs)"
+                )
             qtype = "int16" if jnp.result_type(x) == jnp.int16 else "int8"
-            scale, zp = interp.cal.params(interp.key(None, f"input{i}"), qtype)
+            scale, zp = interp.cal.params(key, qtype)
             args.append((qdq.dequantize(x, scale, zp, qtype=qtype), Rep("q", scale, zp, qtype)))
         else:
             args.append(interp.site(x, None, f"input{i}"))
@@ -249,11 +262,15 @@ def annotate(
         int8_io: The annotated function takes and returns integer codes (int8, or
             int16 under an int16 rule) for its float inputs and outputs, quantized
             with the input and output sites' parameters, so the exported model has
-            integer inputs and outputs and no QUANTIZE / DEQUANTIZE ops. Integer
-            inputs of other types (e.g. int32 token ids) pass unchanged.
+            integer inputs and outputs and no float tensor (no QUANTIZE from float,
+            no DEQUANTIZE; int8 requantizations inside, e.g. in a layer norm, stay).
+            Integer inputs of other types (e.g. int32 token ids) pass unchanged.
 
     Raises:
         UnsupportedOpError: In strict mode, for an op that cannot be quantized.
+        TypeError: When the annotated function is called (or exported) with float
+            inputs under ``int8_io``: it takes codes, e.g.
+            ``qdq.quantize(x, *calibration.params("0:input0@"))``.
     """
     return Annotated(fn, calibration, int8_io)
 

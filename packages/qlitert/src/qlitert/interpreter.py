@@ -484,6 +484,9 @@ class Interpreter:
         types = self.types(eqn)
         if types.act is None and name not in PRESERVING:
             return self.float_op(eqn, ins)
+        dilation = tuple(eqn.params.get("lhs_dilation") or ())
+        if name == "conv_general_dilated" and any(d != 1 for d in dilation):
+            return [self.transposed(eqn, ins, types)]
         if name in ("dot_general", "conv_general_dilated"):
             return [self.contraction(eqn, ins, types)]
         kept = _unbounded(name, values)
@@ -669,6 +672,26 @@ class Interpreter:
         outs = zip(_bind(eqn, xs), eqn.outvars, strict=True)
         return [(o, Rep("int" if _integer([v]) else "float")) for o, v in outs]
 
+    def transposed(self, eqn: Any, ins: list[tuple[Any, Rep]], types: rules.OpTypes) -> tuple:
+        """A strided transposed convolution (``lhs_dilation``): zeros inserted, then a convolution.
+
+        litert-converter 0.5.0 turns ``lhs_dilation`` into a ``TRANSPOSE_CONV`` that
+        LiteRT refuses to load ('SAME' padding: ``computed_input_height !=
+        SizeOfDimension(input, 1)``), keeps in float ('VALID') or cannot convert
+        (explicit padding). Dilating the quantized input first (int8 ``RESHAPE``,
+        ``PAD`` with the zero point, ``SLICE``: zero is exact) leaves a plain
+        convolution, the same sums.
+        """
+        (x, qx), w = ins
+        x, qx = self.materialize(x, qx, eqn, f"{eqn.primitive.name}.lhs")
+        spatial = eqn.params["dimension_numbers"].lhs_spec[2:]
+        for axis, d in zip(spatial, eqn.params["lhs_dilation"], strict=True):
+            x = _dilate(x, int(axis), int(d))
+        ones = (1,) * len(eqn.params["lhs_dilation"])
+        return self.contraction(
+            eqn.replace(params={**eqn.params, "lhs_dilation": ones}), [(x, qx), w], types
+        )
+
     def contraction(self, eqn: Any, ins: list[tuple[Any, Rep]], types: rules.OpTypes) -> tuple:
         """A matmul/convolution: a constant weight is deferred to fold what follows."""
         (a, qa), (b, qb) = ins
@@ -762,6 +785,21 @@ def _moved_softmax(block: list[Any], x: Any) -> Any:
     perm = tuple(moves[0].params["permutation"])
     axes = tuple(perm.index(a) for a in block[0].params["axes"])
     return jax.nn.softmax(jnp.transpose(x, perm), axis=axes)
+
+
+def _dilate(x: Any, axis: int, d: int) -> Any:
+    """``x`` with ``d - 1`` zeros between its entries along ``axis`` (as ``lhs_dilation``).
+
+    ``x`` is reshaped to ``(before * n, 1, after)`` and padded to ``(before * n, d,
+    after)``: a three-dimensional ``PAD`` whatever the rank of ``x``.
+    """
+    n = x.shape[axis]
+    if d == 1 or n == 1:
+        return x
+    before, after = int(np.prod(x.shape[:axis])), int(np.prod(x.shape[axis + 1 :]))
+    y = jnp.pad(jnp.reshape(x, (before * n, 1, after)), ((0, 0), (0, d - 1), (0, 0)))
+    y = jnp.reshape(y, (*x.shape[:axis], n * d, *x.shape[axis + 1 :]))
+    return jax.lax.slice_in_dim(y, 0, (n - 1) * d + 1, axis=axis)
 
 
 def _out_axis(eqn: Any, ndim: int) -> int | None:

@@ -10,8 +10,9 @@ decomposition, and litert-converter (strict QDQ mode) reads the attributes —
 at a function's boundary give a model with integer inputs and outputs.
 
 The decompositions mirror TFLite's kernels, so each op of a converted model agrees
-with JAX within one step (:mod:`qlitert.validation`): values are rounded half away from zero (TFLite's
-``QUANTIZE`` uses ``std::round``) and clipped to the code range; weights are
+with JAX within one step (:mod:`qlitert.validation`): values are rounded half away
+from zero (TFLite's ``QUANTIZE`` uses ``std::round``) and clipped to the code
+range; weights are
 symmetric and narrow-range (``[-127, 127]``) per output channel; activations are
 asymmetric with zero exactly representable (:func:`activation_params`).
 

@@ -16,6 +16,7 @@ Example:
 
 from __future__ import annotations
 
+import re
 import warnings
 from typing import Any
 
@@ -28,6 +29,9 @@ from qlitert.qdq import round_half_away
 # What the interpreter raises for a model it cannot load (a damaged tensor name
 # is a UnicodeDecodeError).
 _LOAD_ERRORS = (ValueError, RuntimeError, UnicodeDecodeError)
+# LiteRT's error for a lookup outside its table (a token id past the vocabulary):
+# "gather_nd index out of boundsNode number 9 (GATHER_ND) failed to invoke."
+_OUT_OF_BOUNDS = re.compile(r"index out of bounds.*?Node number (\d+) \((\w+)\)", re.S)
 
 
 class LiteRTModel:
@@ -42,6 +46,11 @@ class LiteRTModel:
     whole output: a ``.tflite`` model has no batch axis to tell examples apart).
     Integer outputs cannot hold NaN: computing one from a non-finite input is a
     ValueError.
+
+    Integer inputs without quantization parameters (token ids) go in as they are,
+    with either ``quantize_io``. LiteRT stops at an id outside a lookup's table
+    (JAX's lookup returns NaN rows): that is a ValueError naming the input, its
+    values and the allowed range.
 
     Args:
         tflite: The flatbuffer bytes, or the path of a ``.tflite`` file.
@@ -85,7 +94,8 @@ class LiteRTModel:
         if kernels not in resolvers:
             raise ValueError(f"kernels={kernels!r}; allowed: 'xnnpack', 'builtin'")
         data, what = read(tflite)
-        self._reaches = _reaches(from_bytes(data, what))
+        self._report = from_bytes(data, what)
+        self._reaches = _reaches(self._report)
         self.tflite = data
         self.quantize_io = quantize_io
         self.preserve_all_tensors = bool(preserve_all_tensors)
@@ -114,8 +124,9 @@ class LiteRTModel:
             TypeError: For an input that is not numeric, or float codes where the
                 model takes integer codes (``quantize_io=False``).
             ValueError: For a wrong number of inputs, a shape the model does not
-                take, integer codes out of range, or a non-finite input that an
-                integer output is computed from.
+                take, integer codes out of range, a non-finite input that an
+                integer output is computed from, or integer inputs (token ids) that
+                a lookup (``GATHER_ND``) finds outside its table.
         """
         if len(inputs) != len(self.inputs):
             names = [d["name"] for d in self.inputs]
@@ -131,7 +142,13 @@ class LiteRTModel:
                 self._check_nan_outputs(detail, reached, int(np.sum(~np.isfinite(x))))
                 nan_outputs |= reached
             it.set_tensor(detail["index"], self._to_model(x, detail))
-        it.invoke()
+        try:
+            it.invoke()
+        except RuntimeError as err:
+            lookup = self._lookup_error(str(err), inputs)
+            if lookup is None:
+                raise
+            raise lookup from None
         outs = tuple(self._from_model(it.get_tensor(d["index"]), d) for d in self.outputs)
         outs = tuple(np.full_like(y, np.nan) if k in nan_outputs else y for k, y in enumerate(outs))
         return outs[0] if len(outs) == 1 else outs
@@ -175,18 +192,55 @@ class LiteRTModel:
                 f"(models are exported at a static shape), got {tuple(x.shape)}"
             )
         if dtype.kind in "iu" and not self._quantized(detail):
+            # Codes of a quantized tensor (quantize_io=False), or integer data the
+            # model takes as it is (token ids: no quantization parameters).
+            what = f"{dtype} codes" if detail["quantization"][0] else f"{dtype} values"
             if x.dtype.kind == "f":
+                how = (
+                    f"quantize_io={self.quantize_io}"
+                    if detail["quantization"][0]
+                    else "integer data such as token ids: not quantized"
+                )
                 raise TypeError(
-                    f"input {name!r} takes {dtype} codes (quantize_io={self.quantize_io}), "
-                    f"got {x.dtype} values; allowed: an integer array"
+                    f"input {name!r} takes {what} ({how}), got {x.dtype} values; "
+                    "allowed: an integer array"
                 )
             info = np.iinfo(dtype)
             if x.size and (x.min() < info.min or x.max() > info.max):
                 raise ValueError(
                     f"input {name!r} holds values in [{x.min()}, {x.max()}]; "
-                    f"allowed: {dtype} codes in [{info.min}, {info.max}]"
+                    f"allowed: {what} in [{info.min}, {info.max}]"
                 )
         return x
+
+    def _lookup_error(self, message: str, inputs: tuple) -> ValueError | None:
+        """The error naming the inputs of a lookup LiteRT found outside its table, if it is one.
+
+        LiteRT's ``GATHER_ND`` stops the model with a RuntimeError naming only its node
+        (JAX's lookup returns NaN rows instead). The node number is the op's index.
+        """
+        found = _OUT_OF_BOUNDS.search(message)
+        if found is None or int(found.group(1)) >= len(self._report.ops):
+            return None
+        k, report = int(found.group(1)), self._report
+        op = report.ops[k]
+        table, indices = (report.tensors[i] for i in op.inputs[:2])
+        sources = _sources(report, op.inputs[1])
+        named = [
+            f"input {d['name']!r}, which holds values in [{np.min(x)}, {np.max(x)}]"
+            for d, x in zip(self.inputs, inputs, strict=True)
+            if int(d["index"]) in sources and np.size(x)
+        ]
+        if not named:
+            return None
+        allowed = "indices within the table"
+        if op.name == "GATHER_ND" and indices.shape and indices.shape[-1] == 1:
+            n = table.shape[0]  # JAX counts negative indices from the end, and so does the model
+            allowed = f"indices in [{-n}, {n - 1}] (negative ones count from the end, as in JAX)"
+        return ValueError(
+            f"{op.name} (op {k}) looks up a table of shape {table.shape} at an index out of "
+            f"range; its indices are computed from {' and '.join(named)}; allowed: {allowed}"
+        )
 
     def _check_nan_outputs(self, detail: dict, outputs: set[int], bad: int) -> None:
         for k in sorted(outputs):
@@ -214,6 +268,20 @@ class LiteRTModel:
             return y
         scale, zp = detail["quantization"]
         return (y.astype(np.float32) - zp) * np.float32(scale)
+
+
+def _sources(report: ModelReport, tensor: int) -> set[int]:
+    """The graph input tensors that ``tensor`` is computed from."""
+    producer = {o: op for op in report.ops for o in op.outputs}
+    seen, todo = set(), [tensor]
+    while todo:
+        t = todo.pop()
+        if t in seen:
+            continue
+        seen.add(t)
+        if t in producer:
+            todo.extend(i for i in producer[t].inputs if i >= 0)
+    return seen & set(report.inputs)
 
 
 def _reaches(report: ModelReport) -> dict[int, set[int]]:
