@@ -444,12 +444,12 @@ class Interpreter:
             return [self.site(out, eqn, str(eqn.params["name"]), types)]
         if name == "scan":
             return self.scan(eqn, ins)
-        if name == "while":
-            raise UnsupportedOpError(
-                f"op 'while' (jax.lax.while_loop) in module {self.describe(eqn)} has no static "
-                "trip count and cannot be unrolled for LiteRT's int8 kernels; allowed: "
-                "jax.lax.scan, fori_loop with static bounds, or flax's nn.RNN (unrolled)"
+        if name == "while":  # (a fixed-length loop is a scan, unrolled above)
+            what = (
+                "op 'while' (jax.lax.while_loop: no static trip count to unroll; allowed: "
+                "jax.lax.scan, fori_loop with static bounds, nn.RNN)"
             )
+            return self.unsupported(eqn, ins, what)
         if inner is not None:
             closed = inner if hasattr(inner, "jaxpr") else None
             jaxpr = closed.jaxpr if closed is not None else inner
@@ -873,6 +873,9 @@ def _from_integers(eqn: Any, ins: list[tuple[Any, Rep]]) -> list[Any] | None:
     name = eqn.primitive.name
     if not any(q.source is not None for _, q in ins) or not _integer(eqn.outvars):
         return None
+    for (_, q), v in zip(ins, eqn.invars, strict=True):
+        if q.source is not None and np.shape(q.source) != tuple(v.aval.shape):
+            return None  # reshaped or broadcast since the conversion: not followed
     if name == "convert_element_type" and len(ins) == 1:
         return [ins[0][1].source]
     if name not in _COMPARISONS:
