@@ -36,7 +36,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-from ops import load_qwix, measured_on, publish, replace_section, run_info, time_impl
+from ops import load_qwix, measured_on, publish, replace_section, run_info, time_call
 
 import qflax
 
@@ -105,11 +105,13 @@ def round_robin(
     code and data warm (as a server calling one model repeatedly does).
     """
     for fn, p in configs.values():
-        time_impl(fn, x, [p], 1, warmup)
+        for _ in range(warmup):
+            time_call(fn, x, p)
     times: dict[str, list[float]] = {name: [] for name in configs}
     for _ in range(reps):
         for name, (fn, p) in configs.items():
-            times[name] += time_impl(fn, x, [p], 1, 1)
+            time_call(fn, x, p)  # untimed: warm
+            times[name].append(time_call(fn, x, p))
     return times
 
 
