@@ -215,7 +215,7 @@ class Interpreter:
             scale, zp = self.cal.params(key, qtype)
             q = Rep("q", scale, zp, qtype)
         if not checked:
-            with qdq.untapped():
+            with qdq._untapped():
                 return self.fq(x, q, key), q
         return self.fq(x, q, key), q
 

@@ -133,7 +133,7 @@ def _name(value: Any, arg: str) -> tuple[str, bool]:
 
 
 @contextlib.contextmanager
-def untapped() -> Iterator[None]:
+def _untapped() -> Iterator[None]:
     """Fake quantizations inside are not replayed by the layer-by-layer validation."""
     token = _TAP.set(None)
     try:
