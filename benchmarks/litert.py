@@ -7,6 +7,9 @@ JAX function, its calibration batches and held-out inputs):
   tests' CNN), trained 300 Adam steps on scikit-learn's digits.
 * ``MLP 4x1024``: four Dense(1024) layers with relu between them, random weights,
   random normal inputs (no classifier: top-1 agreement is not reported).
+* ``encoder 2x``: two pre-norm transformer encoder blocks around Flax's
+  ``nn.MultiHeadDotProductAttention`` (4 heads, width 64, gelu MLP of 128), then a
+  LayerNorm, on 16 tokens; random weights, random normal inputs (no classifier).
 * ``MobileNetV2-style``: ``MobileNetV2`` of ``packages/qlitert/tests/archs.py`` (13
   inverted residual blocks, 40 convolutions, batch norm, ReLU6, residual adds,
   global average pooling) on 64x64x3 inputs: the digits, upsampled with
@@ -85,6 +88,7 @@ FLOAT, OURS, PEER = "float32", "int8 qlitert", "int8 ai-edge-quantizer"
 PEER_FIXTURE = HERE / "fixtures" / "litert_peer.json"
 TRAIN, CAL_BATCHES, CAL_BATCH = 1297, 4, 64
 MOBILENET_SIZE, MOBILENET_STEPS = 64, 100
+ENCODER_BLOCKS, ENCODER_TOKENS, ENCODER_WIDTH = 2, 16, 64
 
 
 class DigitsCNN(nn.Module):
@@ -107,6 +111,30 @@ class MLP(nn.Module):
             if i < 3:
                 x = nn.relu(x)
         return x
+
+
+class EncoderBlock(nn.Module):
+    """A pre-norm transformer encoder block around Flax's own attention module."""
+
+    heads: int = 4
+    hidden: int = 128
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.LayerNorm()(x)
+        x = x + nn.MultiHeadDotProductAttention(num_heads=self.heads)(h, h)
+        h = nn.Dense(x.shape[-1])(nn.gelu(nn.Dense(self.hidden)(nn.LayerNorm()(x))))
+        return x + h
+
+
+class Encoder(nn.Module):
+    """``ENCODER_BLOCKS`` encoder blocks over ``(batch, tokens, width)`` embeddings."""
+
+    @nn.compact
+    def __call__(self, x):
+        for _ in range(ENCODER_BLOCKS):
+            x = EncoderBlock()(x)
+        return nn.LayerNorm()(x)
 
 
 @dataclass
@@ -256,13 +284,25 @@ def mobilenet(digits: Digits) -> Case:
     return digits.case(fn, x, f"{size}×{size}×3 → 10")
 
 
+def encoder(_: Digits) -> Case:
+    model = Encoder()
+    shape = (ENCODER_TOKENS, ENCODER_WIDTH)
+    variables = model.init(jax.random.key(2), np.zeros((1, *shape), np.float32))
+    rng = np.random.default_rng(2)
+    cal = [rng.normal(size=(CAL_BATCH, *shape)).astype(np.float32) for _ in range(CAL_BATCHES)]
+    heldout = rng.normal(size=(128, *shape)).astype(np.float32)
+    shapes = f"{ENCODER_TOKENS}×{ENCODER_WIDTH} → {ENCODER_TOKENS}×{ENCODER_WIDTH}"
+    return Case(lambda v: model.apply(variables, v), cal, heldout, False, shapes)
+
+
 # name -> builder. A model is one entry here (and one row group of the table).
-# Not yet here: a transformer encoder with nn.MultiHeadDotProductAttention (qlitert
-# does not quantize its 'div' yet) and MiniLM (benchmarks/minilm_model.py).
+# Not yet here: MiniLM (benchmarks/minilm_model.py; its token ids and mask are
+# two inputs, and the cases take one).
 CASES: dict[str, Callable[[Digits], Case]] = {
     "digits CNN": digits_cnn,
     "MLP 4x1024": mlp,
     "MobileNetV2-style": mobilenet,
+    "encoder 2x": encoder,
 }
 
 
