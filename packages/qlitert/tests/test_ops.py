@@ -277,6 +277,24 @@ def test_grouped_convolution_is_one_int8_conv():
     assert_integer_kernels(report)
 
 
+def converted(model, shape, batches=3):
+    """A Linen ``model`` at its random init, calibrated on random batches and exported.
+
+    Returns ``(fn, x, tflite, report)``: the float function, the example input (also
+    the first calibration batch) and the validated export.
+    """
+    rng = np.random.default_rng(0)  # (the measured errors in the tests are for these)
+    x = rng.normal(size=shape).astype(np.float32)
+    params = model.init(jax.random.key(0), x)
+
+    def fn(v):
+        return model.apply(params, v)
+
+    cal = [rng.normal(size=shape).astype(np.float32) for _ in range(batches)]
+    tfl, report = convert(fn, [x, *cal])
+    return fn, x, tfl, report
+
+
 def relative_error(got, ref):
     ref = np.asarray(ref, np.float64)
     return float(np.linalg.norm(np.asarray(got, np.float64) - ref) / np.linalg.norm(ref))
@@ -297,16 +315,7 @@ def test_division_by_a_constant_is_an_int8_mul(op, kernels):
     # Issue 21, bug 6: every div of a quantized value by a constant was taken for
     # average pooling's (or refused in strict mode); the converter makes it a MUL
     # by the reciprocal, which was left in float after a SUM or BATCH_MATMUL.
-    rng = np.random.default_rng(0)  # (the measured errors below are for these inputs)
-    x = rng.normal(size=(2, 4, 4, 3)).astype(np.float32)
-    model = ConvThen(op)
-    params = model.init(jax.random.key(0), x)
-
-    def fn(v):
-        return model.apply(params, v)
-
-    batches = [rng.normal(size=x.shape).astype(np.float32) for _ in range(3)]
-    tfl, report = convert(fn, [x, *batches])  # export validates
+    fn, x, tfl, report = converted(ConvThen(op), (2, 4, 4, 3))  # export validates
     names = report.op_names()
     assert set(kernels) <= set(names) and "DIV" not in names, names
     assert_integer_kernels(report)
@@ -327,15 +336,7 @@ class Heads(nn.Module):
 def test_dense_general_with_several_output_axes_folds_its_bias_and_scale():
     # Issue 21, bug 6: a DenseGeneral with several output axes was not deferred, so its
     # bias add and the division after it were separate ops (strict mode refused the div).
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(2, 5, 8)).astype(np.float32)
-    params = Heads().init(jax.random.key(0), x)
-
-    def fn(v):
-        return Heads().apply(params, v)
-
-    batches = [rng.normal(size=x.shape).astype(np.float32) for _ in range(3)]
-    tfl, report = convert(fn, [x, *batches])  # export validates
+    fn, x, tfl, report = converted(Heads(), (2, 5, 8))  # export validates
     names = report.op_names()  # (reshapes to and from the matmul's 2-d operands)
     assert [n for n in names if n != "RESHAPE"] == ["QUANTIZE", "FULLY_CONNECTED", "DEQUANTIZE"]
     assert_integer_kernels(report)
@@ -350,16 +351,8 @@ def test_exact_gelu_is_one_int8_gelu_kernel():
     # Issue 21: jax.nn.gelu(approximate=False) (erfc in jax 0.10's jaxpr) was refused in
     # strict mode (op 'erfc'); the converter expands erfc in float, but makes one GELU
     # of PyTorch's exact-gelu composite.
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(2, 4, 4, 3)).astype(np.float32)
     model = ConvThen(lambda h: jax.nn.gelu(h, approximate=False))
-    params = model.init(jax.random.key(0), x)
-
-    def fn(v):
-        return model.apply(params, v)
-
-    batches = [rng.normal(size=x.shape).astype(np.float32) for _ in range(3)]
-    tfl, report = convert(fn, [x, *batches])  # export validates
+    fn, x, tfl, report = converted(model, (2, 4, 4, 3))  # export validates
     assert report.op_names() == ["QUANTIZE", "CONV_2D", "GELU", "DEQUANTIZE"]
     assert_integer_kernels(report)
     # Measured: 0.012 relative L2 error against the float model.
@@ -377,15 +370,7 @@ class GRU(nn.Module):
 def test_a_scanned_gru_is_unrolled_into_int8_kernels():
     # Issue 21, bug 3: a scan's body ran once, as a plain call, on the stacked input
     # ("dot_general requires contracting dimensions to have the same shape").
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(2, 4, 3)).astype(np.float32)
-    params = GRU().init(jax.random.key(0), x)
-
-    def fn(v):
-        return GRU().apply(params, v)
-
-    batches = [rng.normal(size=x.shape).astype(np.float32) for _ in range(5)]
-    tfl, report = convert(fn, [x, *batches])  # export validates
+    fn, x, tfl, report = converted(GRU(), (2, 4, 3), batches=5)  # export validates
     names = report.op_names()
     # Unrolled: three gates per step, each a FULLY_CONNECTED on the input and one on
     # the carry (none on the first step's zero carry), then the head.
@@ -399,16 +384,8 @@ def test_a_scanned_gru_is_unrolled_into_int8_kernels():
 
 def test_a_fori_loop_with_static_bounds_is_unrolled():
     # jax.lax.fori_loop with Python bounds is a scan (with an int32 counter in its carry).
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(2, 4, 4, 3)).astype(np.float32)
     model = ConvThen(lambda h: jax.lax.fori_loop(0, 3, lambda i, c: jnp.tanh(c) + h, h))
-    params = model.init(jax.random.key(0), x)
-
-    def fn(v):
-        return model.apply(params, v)
-
-    batches = [rng.normal(size=x.shape).astype(np.float32) for _ in range(3)]
-    tfl, report = convert(fn, [x, *batches])  # export validates
+    fn, x, tfl, report = converted(model, (2, 4, 4, 3))  # export validates
     names = report.op_names()
     assert names.count("TANH") == 3 and names.count("ADD") == 3, names
     assert_integer_kernels(report)
