@@ -9,7 +9,7 @@ from ai_edge_litert import schema_py_generated as schema
 from archs import MOBILENET_50, mobilenet
 
 import qlitert
-from qlitert import qdq
+from qlitert import qdq, validation
 
 KERNELS = ("xnnpack", "builtin")
 
@@ -55,6 +55,19 @@ def test_the_50_layer_network_exports_and_every_op_is_within_one_step(deep):
         checked = {layer.op for layer in layers.layers}
         assert checked == set(range(len(names) - 1)), kernels
         assert names[-1] == "DEQUANTIZE"
+
+
+def test_the_former_output_rule_rejects_the_50_layer_network(deep):
+    """Why export compares layer by layer: at the outputs, one-step differences of
+    right ops add up. Measured: 60% of the outputs within one step of JAX under the
+    builtin kernels (the former rule asked 95%, all within two)."""
+    annotated, x, tflite = deep
+    got = qlitert.LiteRTModel(tflite, quantize_io=False, kernels="builtin")(x)
+    want = jax.jit(annotated)(x)
+    steps = validation._output_steps(qlitert.inspect(tflite))
+    problems = validation._agreement([got], [want], steps, replayed=False)
+    assert len(problems) == 1 and "(need 95%)" in problems[0], problems
+    assert qlitert.compare_layers(tflite, annotated, x, kernels="builtin").problems() == []
 
 
 def test_a_wrong_weight_scale_is_rejected_naming_its_op(deep):

@@ -13,6 +13,7 @@ op that produces it (:mod:`qlitert.rules`, :mod:`qlitert.scopes`).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable
 from typing import Any
@@ -214,10 +215,8 @@ class Interpreter:
         else:
             scale, zp = self.cal.params(key, qtype)
             q = Rep("q", scale, zp, qtype)
-        if not checked:
-            with qdq._untapped():
-                return self.fq(x, q, key), q
-        return self.fq(x, q, key), q
+        with contextlib.nullcontext() if checked else qdq._untapped():
+            return self.fq(x, q, key), q
 
     def materialize(
         self, x: Any, q: Rep, eqn: Any | None, label: str, *, float_op: bool = False
