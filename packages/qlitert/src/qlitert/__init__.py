@@ -5,7 +5,9 @@ objects, see :mod:`~qlitert.rules`), fine-tune it with the LiteRT rounding
 (:func:`qat`) and annotate it (:func:`annotate`) — or annotate its quantization by hand with
 :mod:`qlitert.qdq` (``quant.fake_quant`` composites with static scales) — then
 :func:`export` converts it with litert-converter and validates the result
-(integer kernels only, every op within one step of JAX); :func:`inspect` lists a
+(integer kernels only, every op within one step of JAX);
+:func:`export_dynamic_range` exports a float function with int8 weights and float
+activations (LiteRT's hybrid kernels, no calibration); :func:`inspect` lists a
 model's ops and tensors; :class:`LiteRTModel` runs it with the LiteRT
 interpreter; :func:`compare_layers` compares every quantized tensor of a model
 with JAX, layer by layer (how :func:`export` validates); :func:`save` writes it
@@ -13,9 +15,10 @@ atomically. :class:`SiteKey` names the
 quantization sites of a :class:`Calibration`.
 """
 
-from qlitert import converter, qdq, rules
+from qlitert import converter, dynamic_range, qdq, rules
 from qlitert.annotate import Annotated, annotate, calibrate, qat
 from qlitert.calibration import Calibration
+from qlitert.dynamic_range import export_dynamic_range
 from qlitert.export import (
     ExportError,
     check_agreement,
@@ -52,7 +55,9 @@ __all__ = [
     "check_path",
     "compare_layers",
     "converter",
+    "dynamic_range",
     "export",
+    "export_dynamic_range",
     "inspect",
     "qat",
     "qdq",
