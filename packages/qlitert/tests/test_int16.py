@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import qlitert
+from qlitert import qdq
 
 INT16 = [qlitert.Rule(module_path=".*", act_qtype="int16", weight_qtype="int8")]
 ROW = np.linspace(-1.0, 1.0, 16, dtype=np.float32).reshape(1, 1, 16)
@@ -54,7 +55,8 @@ def test_int16_ops_export_and_track_the_float_model(name):
     tflite = qlitert.export(annotated, x)  # validated layer by layer
     report = qlitert.inspect(tflite)
     assert expected_ops <= set(report.op_names())
-    computing = [op for op in report.ops if op.name not in ("QUANTIZE", "DEQUANTIZE")]
+    # (A layer norm's RSQRT is float: test_an_int16_layer_norm_computes_its_rsqrt_in_float.)
+    computing = [op for op in report.ops if op.name not in ("QUANTIZE", "DEQUANTIZE", "RSQRT")]
     assert all(report.tensors[op.outputs[0]].dtype == "INT16" for op in computing)
     got = qlitert.LiteRTModel(tflite)(x)
     want = np.asarray(fn(x))
@@ -65,24 +67,62 @@ def test_int16_ops_export_and_track_the_float_model(name):
 def test_litert_int16_rsqrt_is_rejected_where_it_misses_jax():
     """LiteRT 2.3.0's int16 RSQRT: 44 int16 steps off on inputs in [0.5, 1.7] (15 of
     4,096 values over four steps) and thousands on [0.01, 10]; the validation must
-    reject such a model, naming the op."""
+    reject such a model, naming the op (annotated by hand: qlitert's interpreter
+    computes an int16 module's rsqrt in float)."""
+    s_in, z_in = qdq.activation_params(0.0, 10.0, qtype="int16")
+    s_out, z_out = qdq.activation_params(0.0, 10.0, qtype="int16")
 
     def fn(x):
-        return jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + 1e-6)
+        v = qdq.fake_quant(x, s_in, z_in, qtype="int16")
+        return qdq.fake_quant(jax.lax.rsqrt(v), s_out, z_out, qtype="int16")
 
-    x = np.random.default_rng(0).normal(size=(2, 8, 16)).astype(np.float32)
-    annotated = qlitert.annotate(fn, qlitert.calibrate(fn, [x], rules=INT16))
+    x = np.linspace(0.01, 10.0, 4096, dtype=np.float32).reshape(1, 4096)
     with pytest.raises(qlitert.ExportError, match=r"at op \d+ RSQRT .* more than 4 step"):
-        qlitert.export(annotated, x)
+        qlitert.export(fn, x)
 
 
-def test_an_int16_add_broadcasting_an_activation_is_refused_with_the_reason():
+def test_an_int16_layer_norm_computes_its_rsqrt_in_float():
+    """One value per row between a DEQUANTIZE and a QUANTIZE; everything else int16."""
+
     def fn(x):
-        return x + jnp.mean(x, axis=-1, keepdims=True)
+        return jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + 1e-6) * x
 
-    x = np.random.default_rng(0).normal(size=(2, 8, 16)).astype(np.float32)
-    with pytest.raises(qlitert.UnsupportedOpError, match=r"add in module .* broadcasts an int16"):
-        qlitert.calibrate(fn, [x], rules=INT16)
+    x = (np.random.default_rng(0).normal(size=(2, 8, 16)) * np.geomspace(0.05, 20, 16)).astype(
+        np.float32
+    )
+    tflite = qlitert.export(qlitert.annotate(fn, qlitert.calibrate(fn, [x], rules=INT16)), x)
+    report = qlitert.inspect(tflite)
+    (rsqrt,) = [op for op in report.ops if op.name == "RSQRT"]
+    assert report.op_types(rsqrt) == (["FLOAT32"], ["FLOAT32"])
+    assert report.tensors[rsqrt.outputs[0]].shape == (2, 8, 1)
+    others = [op for op in report.ops if op.name not in ("RSQRT", "QUANTIZE", "DEQUANTIZE")]
+    assert all(report.op_types(op)[1] == ["INT16"] for op in others)
+    got = qlitert.LiteRTModel(tflite)(x)
+    want = np.asarray(fn(x))
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-3
+
+
+def test_an_int16_add_broadcasting_an_activation_exports():
+    """An attention mask's bias, (batch, 1, 1, keys), added to the scores: LiteRT's
+    int16 ADD takes operands of one shape, and litert-converter 0.5.0 folds an
+    explicit broadcast back into it (then refuses the ADD), so the broadcast
+    operand is requantized to itself after the broadcast, behind a barrier."""
+
+    def fn(scores, mask):
+        bias = jnp.where(mask[:, None, None, :] > 0, 0.0, -8.0)
+        return jax.nn.softmax(scores + bias, axis=-1)
+
+    rng = np.random.default_rng(0)
+    scores = rng.normal(size=(1, 2, 4, 8)).astype(np.float32)
+    mask = np.array([[1, 1, 1, 1, 1, 0, 0, 0]], np.int32)  # token ids' mask
+    cal = qlitert.calibrate(fn, [(scores, mask)], rules=INT16)
+    tflite = qlitert.export(qlitert.annotate(fn, cal), scores, mask)  # validated
+    report = qlitert.inspect(tflite)
+    (add,) = [op for op in report.ops if op.name == "ADD"]
+    assert [report.tensors[i].shape for i in add.inputs] == [(1, 2, 4, 8)] * 2
+    assert report.op_types(add)[1] == ["INT16"]
+    got = qlitert.LiteRTModel(tflite)(scores, mask)
+    np.testing.assert_allclose(got, fn(scores, mask), atol=1e-3)
 
 
 def test_an_int16_tanh_has_litert_fixed_output_parameters():
@@ -110,3 +150,20 @@ def test_a_cube_is_two_integer_muls(qtype):
     got = qlitert.LiteRTModel(tflite)(x)
     error = np.linalg.norm(got - x**3) / np.linalg.norm(x**3)
     assert error < {"int8": 0.05, "int16": 1e-3}[qtype], error
+
+
+def test_an_int16_add_at_scales_near_powers_of_two_loads_under_litert():
+    """1 + tanh(x) over a saturating input: tanh's fixed 2^-15 output, the constant 1
+    at 1/32767 and the sum's [0, 2] at 2/32767 are all within 0.07% of powers of two,
+    so LiteRT 2.3.0 took its power-of-two ADD kernel (the options' default) and
+    refused the model ("input1_shift == 0 || input2_shift == 0")."""
+
+    def fn(x):
+        return 1.0 + jnp.tanh(x)
+
+    x = np.linspace(-8.0, 8.0, 64, dtype=np.float32).reshape(1, 64)
+    tflite = qlitert.export(qlitert.annotate(fn, qlitert.calibrate(fn, [x], rules=INT16)), x)
+    got = qlitert.LiteRTModel(tflite, kernels="builtin")(x)
+    # The int16 TANH kernel's lookup table (up to 16 steps of 2^-15), then the add.
+    atol = 16 * 2.0**-15 + 2 * 2.0 / 32767
+    np.testing.assert_allclose(got, 1.0 + np.tanh(x.astype(np.float64)), atol=atol)

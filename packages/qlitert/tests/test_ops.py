@@ -476,3 +476,42 @@ def test_nearest_resize_is_a_gather_per_axis_not_a_resize_kernel(size):
     idx = np.floor((np.arange(size) + 0.5) * 4 / size).astype(int)  # nearest source pixel
     want = ((q - zp) * scale)[:, idx][:, :, idx]
     np.testing.assert_allclose(qlitert.LiteRTModel(tfl)(x), want, atol=1e-6)
+
+
+@pytest.mark.parametrize("fill", [float(np.finfo(np.float32).min), -1e9, -10000.0])
+def test_an_additive_attention_mask_keeps_the_scores_resolution(fill):
+    """BERT's mask as Hugging Face writes it: scores + where(mask, 0, fill), then
+    softmax. Quantized as a sum, its range took in the fill (1e38) and the scores
+    lost all resolution (NaN with finfo.min); now the add is a select, the fill the
+    scores' lowest value."""
+
+    def fn(scores, mask):
+        bias = jnp.where(mask[:, None, None, :] > 0, 0.0, fill)
+        return jax.nn.softmax(scores + bias, axis=-1)
+
+    rng = np.random.default_rng(0)
+    scores = (4 * rng.normal(size=(2, 2, 6, 6))).astype(np.float32)
+    mask = np.array([[1, 1, 1, 1, 0, 0], [1, 1, 1, 0, 0, 0]], np.int32)
+    annotated = qlitert.annotate(fn, qlitert.calibrate(fn, [(scores, mask)]))
+    tflite = qlitert.export(annotated, scores, mask)  # validated layer by layer
+    assert "SELECT_V2" in qlitert.inspect(tflite).op_names()
+    want = np.asarray(fn(scores, mask))
+    for got in (np.asarray(annotated(scores, mask)), qlitert.LiteRTModel(tflite)(scores, mask)):
+        np.testing.assert_allclose(got, want, atol=2.5 / 256)  # int8 softmax: 1/256 steps
+
+
+def test_an_rsqrt_of_a_zero_code_is_the_largest_value_as_in_litert():
+    """A layer norm over a row whose variance rounds to code zero: LiteRT's RSQRT
+    returns its largest code there; JAX's rsqrt(0) is inf, which fake quantization
+    (qlitert's NaN policy) made NaN, and the simulation's whole output with it."""
+
+    def fn(x):
+        return jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + 1e-12) * x
+
+    x = np.random.default_rng(0).normal(size=(4, 16)).astype(np.float32)
+    x[1] *= 1e-3  # a variance far below the int8 step of the variances' range
+    annotated = qlitert.annotate(fn, qlitert.calibrate(fn, [x]))
+    simulated = np.asarray(annotated(x))
+    assert np.all(np.isfinite(simulated))
+    tflite = qlitert.export(annotated, x)  # validated layer by layer
+    np.testing.assert_allclose(qlitert.LiteRTModel(tflite)(x), simulated, atol=0.05)

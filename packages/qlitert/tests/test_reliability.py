@@ -301,6 +301,16 @@ def weight_tensor(model):
     return next(t for t in model.subgraphs[0].tensors if t.type == 9 and t.buffer > 0)
 
 
+def activation_tensor(model):
+    """The first int8 tensor without data: an activation."""
+    buffers = model.buffers
+    return next(
+        t
+        for t in model.subgraphs[0].tensors
+        if t.type == 9 and (t.buffer == 0 or buffers[t.buffer].data is None)
+    )
+
+
 @pytest.mark.parametrize(
     ("edit", "fragment"),
     [
@@ -311,6 +321,10 @@ def weight_tensor(model):
         (lambda m: setattr(weight_tensor(m).quantization, "zeroPoint", [0, 300, 0]), "300"),
         (lambda m: setattr(m.subgraphs[0].operators[1], "inputs", [0, 99]), "tensor 99"),
         (lambda m: setattr(m.subgraphs[0], "operators", []), "computed by no operator"),
+        # A degenerate range's scale: LiteRT 2.3.0 aborted the process loading an ADD
+        # with operand scales 0.07 and 1.3e36 (a sum with finfo.min, before the
+        # additive mask became a select).
+        (lambda m: setattr(activation_tensor(m).quantization, "scale", [1.3e36]), "(0, 1e+30]"),
     ],
 )
 def test_consistently_damaged_models_are_rejected_before_the_interpreter(tfl, edit, fragment):

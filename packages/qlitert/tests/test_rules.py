@@ -109,14 +109,24 @@ def test_rules_select_modules_first_match_wins():
     assert "FLOAT32" in annotated.compute_types
 
 
-def test_int8_int16_boundaries_are_refused_with_the_reason():
+def test_int8_int16_boundaries_requantize_in_one_quantize_op():
+    """int8 -> int16 -> int8 across modules: a QUANTIZE from one integer type to the
+    other at each boundary (litert-converter 0.5.0 alone merged the two quantizations
+    and converted the producer with the consumer's type)."""
     rules = [
-        QuantizationRule(module_path="dw", act_qtype="int16", weight_qtype="int8"),
-        QuantizationRule(module_path=".*", act_qtype="int8", weight_qtype="int8"),
+        qlitert.Rule(module_path="dw", act_qtype="int16", weight_qtype="int8"),
+        qlitert.Rule(module_path=".*", act_qtype="int8", weight_qtype="int8"),
     ]
-    with pytest.raises(qlitert.UnsupportedOpError, match=r"module 'dw' computes in i16 but its "
-                       r"input is i8: litert-converter cannot requantize"):  # fmt: skip
-        convert(rules)
+    _, report, _ = convert(rules)  # validated layer by layer, both kernel sets
+    requantized = [
+        tuple(report.op_types(op)[0] + report.op_types(op)[1])
+        for op in report.ops[1:]
+        if op.name == "QUANTIZE"
+    ]
+    assert requantized == [("INT8", "INT16"), ("INT16", "INT8")]
+    dw = kernel(report, "DEPTHWISE_CONV_2D")
+    assert report.op_types(dw)[1] == ["INT16"]
+    assert "DEQUANTIZE" not in report.op_names()[:-1]
 
 
 def test_rules_match_nnx_module_paths():
@@ -323,3 +333,16 @@ def test_qlitert_does_not_import_qflax():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[] True"
+
+
+def test_a_float_module_between_quantized_ones_stays_float():
+    """A float module's convolution between int8 ones: float kernel, float weight."""
+    rules = [
+        qlitert.Rule(module_path="dw", act_qtype=None, weight_qtype=None),
+        qlitert.Rule(module_path=".*", act_qtype="int8", weight_qtype="int8"),
+    ]
+    _, report, annotated = convert(rules)  # validated, FLOAT32 allowed
+    dw = kernel(report, "DEPTHWISE_CONV_2D")
+    assert report.op_types(dw) == (["FLOAT32", "FLOAT32", "FLOAT32"], ["FLOAT32"])
+    assert report.op_types(kernel(report, "CONV_2D"))[1] == ["INT8"]
+    assert report.op_types(kernel(report, "FULLY_CONNECTED"))[1] == ["INT8"]

@@ -15,7 +15,7 @@ atomically. :class:`SiteKey` names the
 quantization sites of a :class:`Calibration`.
 """
 
-from qlitert import converter, dynamic_range, qdq, rules
+from qlitert import converter, dynamic_range, qdq, rules, sensitivity
 from qlitert.annotate import Annotated, annotate, calibrate, qat
 from qlitert.calibration import Calibration
 from qlitert.dynamic_range import export_dynamic_range
@@ -32,6 +32,7 @@ from qlitert.interpreter import UnsupportedOpError
 from qlitert.rules import Rule
 from qlitert.runtime import LiteRTModel
 from qlitert.scopes import SiteKey
+from qlitert.sensitivity import Int16Choice, ModuleSensitivity, choose_int16
 from qlitert.validation import Layer, LayerReport, compare_layers
 
 __version__ = "0.1.0"
@@ -40,10 +41,12 @@ __all__ = [
     "Annotated",
     "Calibration",
     "ExportError",
+    "Int16Choice",
     "Layer",
     "LayerReport",
     "LiteRTModel",
     "ModelReport",
+    "ModuleSensitivity",
     "Rule",
     "SiteKey",
     "UnsupportedOpError",
@@ -53,6 +56,7 @@ __all__ = [
     "check_agreement",
     "check_kernels",
     "check_path",
+    "choose_int16",
     "compare_layers",
     "converter",
     "dynamic_range",
@@ -63,4 +67,5 @@ __all__ = [
     "qdq",
     "rules",
     "save",
+    "sensitivity",
 ]

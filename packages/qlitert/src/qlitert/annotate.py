@@ -46,6 +46,7 @@ Example:
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -182,6 +183,8 @@ def calibrate(
         except NonFiniteError as err:
             raise NonFiniteError(f"batches[{b}]: {err}") from None
         used |= interp.used_rules
+        if b == 0:
+            cal.module_ops = dict(collections.Counter(interp.op_paths.values()))
     if first is None:
         raise ValueError("batches is empty; allowed: at least one batch")
     qcore.rules.warn_unused(cal.rules, used, _unused_message, stacklevel=2)

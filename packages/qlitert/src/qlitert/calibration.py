@@ -59,6 +59,8 @@ class Calibration:
             seen (a cumulative average before that).
         rules: The rules the sites were found with (see :mod:`qlitert.rules`).
         strict: Whether unsupported ops raised (else they stayed float).
+        module_ops: How many ops each module path (as rules match them) computes,
+            counted on the first batch by :func:`qlitert.calibrate`.
     """
 
     ranges: dict[str, list[float]] = dataclasses.field(default_factory=dict)
@@ -66,6 +68,7 @@ class Calibration:
     momentum: float = 0.99
     rules: tuple[Rule, ...] = ()
     strict: bool = True
+    module_ops: dict[str, int] = dataclasses.field(default_factory=dict)
 
     def observe(self, site: str, x: Any) -> None:
         """Folds one batch's range of ``x`` into ``site``'s moving average.

@@ -137,11 +137,11 @@ def _symmetric(w: np.ndarray, axis: int | None) -> tuple[np.ndarray, np.ndarray]
     w64 = w.astype(np.float64)
     if axis is None:
         absmax = np.array([np.max(np.abs(w64))])
-        scale = np.maximum(absmax, 1e-30) / 127.0
+        scale = np.maximum(absmax, 1e-12) / 127.0
         codes = np.round(w64 / scale[0])
     else:
         absmax = np.max(np.abs(w64), axis=tuple(d for d in range(w.ndim) if d != axis))
-        scale = np.maximum(absmax, 1e-30) / 127.0
+        scale = np.maximum(absmax, 1e-12) / 127.0
         shape = [1] * w.ndim
         shape[axis] = -1
         codes = np.round(w64 / scale.reshape(shape))

@@ -210,8 +210,14 @@ def _check_size(t: Any, dtype: str, data: Any) -> None:
 _ZERO_POINTS = {"INT8": (-128, 127), "UINT8": (0, 255), "INT16": (-32768, 32767), "INT4": (-8, 7)}
 
 
+# Scales above this come only from a degenerate range (an activation spanning 1e32),
+# and LiteRT 2.3.0 aborts the process loading an ADD whose operands' scales are that
+# far apart (its fixed-point multiplier underflows), so such a model is refused.
+MAX_SCALE = 1e30
+
+
 def _check_quantization(t: Any, dtype: str) -> None:
-    """Raises ValueError for scales that are not finite and > 0 or zero points out of range."""
+    """Raises ValueError for bad scales (see MAX_SCALE) or zero points out of range."""
     q = t.quantization
     if q is None or q.scale is None or not len(q.scale):
         return
@@ -220,14 +226,16 @@ def _check_quantization(t: Any, dtype: str) -> None:
     lo, hi = _ZERO_POINTS.get(dtype, (-(2**31), 2**31 - 1))
     channels = shape[q.quantizedDimension] if 0 <= q.quantizedDimension < len(shape) else 1
     if (
-        not np.all(np.isfinite(scale) & (scale > 0))
+        not np.all(np.isfinite(scale) & (scale > 0) & (scale <= MAX_SCALE))
         or zp.size not in (0, 1, scale.size)
         or np.any((zp < lo) | (zp > hi))
         or scale.size not in (1, channels)
     ):
         raise ValueError(
             f"tensor {_name(t)!r} ({dtype}, shape {list(shape)}) has scales {scale.tolist()[:4]}, "
-            f"zero points {zp.tolist()[:4]}, quantized dimension {q.quantizedDimension}"
+            f"zero points {zp.tolist()[:4]}, quantized dimension {q.quantizedDimension} "
+            f"(allowed: finite scales in (0, {MAX_SCALE:g}], one or one per channel, and "
+            f"zero points in [{lo}, {hi}])"
         )
 
 

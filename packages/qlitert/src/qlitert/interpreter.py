@@ -51,6 +51,9 @@ _FIXED_OUTPUT = {
 # int16 ops whose LiteRT kernel takes operands of one shape (litert-converter 0.5.0
 # refuses a broadcasting int16 ADD): smaller operands are broadcast first.
 _SAME_SHAPE_INT16 = ("add",)
+# An additive mask's fill: a constant at most this (finfo.min, -1e9, BERT's -10000)
+# masks what it is added to; the add becomes a select (Interpreter.masked).
+MASK_FILL = -1e3
 
 
 class UnsupportedOpError(ValueError):
@@ -131,6 +134,7 @@ class Interpreter:
         self.new_state: dict[str, Any] = {}
         self.counter = 0
         self.used_rules: set[int] = set()
+        self.op_paths: dict[int, str] = {}  # id of each typed equation -> its module path
         self.seen: set[str | None] = set()  # the types used: "int8", "int16", "int4", None
         self.outer: list[str] = []  # name stacks of the calls being interpreted
 
@@ -152,7 +156,10 @@ class Interpreter:
 
     def types(self, eqn: Any | None) -> rules.OpTypes:
         """The LiteRT types of ``eqn``'s outputs and weights (``None``: the boundary)."""
-        i, types = rules.lookup(self.cal.rules, scopes.module_path(self.where(eqn)))
+        path = scopes.module_path(self.where(eqn))
+        if eqn is not None:
+            self.op_paths[id(eqn)] = path
+        i, types = rules.lookup(self.cal.rules, path)
         if i is not None:
             self.used_rules.add(i)
         return types
@@ -223,26 +230,20 @@ class Interpreter:
     ) -> tuple[Any, Rep]:
         """``x`` as an input of ``eqn``: quantized, unless ``eqn`` computes in float.
 
-        Raises:
-            UnsupportedOpError: For a quantized input of another type than
-                ``eqn``'s (int8 into a 16x8 op, or back). TFLite kernels take one
-                type, and litert-converter 0.5.0 merges consecutive quantizations
-                into the last one (with or without a reshape or a quantize /
-                dequantize pair between), so no requantization can be annotated:
-                the producer would be converted with the consumer's type.
+        A quantized input of another type than ``eqn``'s (int8 into a 16x8 op, or
+        back) gets a site of ``eqn``'s type: a requantization. An optimization
+        barrier separates it from the producer's site, so that litert-converter
+        0.5.0 keeps both (without one it merges consecutive quantizations into the
+        last, converting the producer with the consumer's type): it writes a
+        DEQUANTIZE / QUANTIZE pair, which :func:`qlitert.converter.fuse_requantizations`
+        makes one integer QUANTIZE.
         """
         x, q = self._materialize(x, q, eqn, label, float_op=float_op)
         if eqn is None or float_op or q.kind != "q":
             return x, q
-        want = self.types(eqn).act
-        if want is not None and want != q.qtype:
-            codes = qdq.CODES  # TFLite's names of the tensor types
-            raise UnsupportedOpError(
-                f"{eqn.primitive.name} in module {self.describe(eqn)} computes in {codes[want]} "
-                f"but its input is {codes[q.qtype]}: litert-converter cannot requantize "
-                "between int8 and int16 tensors; give connected modules one activation type, "
-                "or leave an op between them float (a rule without act_qtype)"
-            )
+        types = self.types(eqn)
+        if types.act is not None and types.act != q.qtype:
+            return self.site(jax.lax.optimization_barrier(x), eqn, f"{label}.requantized", types)
         return x, q
 
     def _materialize(self, x: Any, q: Rep, eqn: Any | None, label: str, *, float_op: bool) -> tuple:
@@ -481,6 +482,12 @@ class Interpreter:
         if all(k in ("int", "const") for k in kinds) and _integer(eqn.outvars):
             return [(o, Rep("int")) for o in _bind(eqn, values)]  # index arithmetic, masks
         types = self.types(eqn)
+        if "masked" in kinds:
+            masked = self.masked(eqn, ins, types)
+            if masked is not None:
+                return masked
+            ins = [(x, Rep("float")) if q.kind == "masked" else (x, q) for x, q in ins]
+            kinds = [q.kind for _, q in ins]
         if types.act is None and name not in PRESERVING:
             return self.float_op(eqn, ins)
         dilation = tuple(eqn.params.get("lhs_dilation") or ())
@@ -539,10 +546,17 @@ class Interpreter:
             for _ in range(int(eqn.params["y"]) - 1):
                 y, q = self.site(y * x, eqn, name, types)
             return [(y, q)]
+        if name == "rsqrt" and types.act == "int16":
+            # LiteRT 2.3.0's int16 RSQRT misses the exact value by up to 44 steps on
+            # [0.5, 1.7] and by thousands on [0.01, 10]: a LayerNorm's rsqrt (one
+            # value per row) is computed in float, between a DEQUANTIZE and a QUANTIZE.
+            return self.float_op(eqn, ins, island=True)
         if name in COMPUTING:
             if types.act == "int16" and name in _SAME_SHAPE_INT16:
                 ins = [self.same_shape(e, eqn) for e in ins]
             xs = [self.materialize(x, q, eqn, name)[0] for x, q in ins]
+            if name == "rsqrt":  # LiteRT's RSQRT of code zero is its largest value, not inf
+                xs = [jnp.maximum(xs[0], jnp.finfo(xs[0].dtype).tiny)]
             out = _bind(eqn, xs)[0]
             if (name, types.act) in _FIXED_OUTPUT:
                 return [self.fixed_site(out, eqn, name, types.act)]
@@ -552,9 +566,12 @@ class Interpreter:
     def same_shape(self, entry: tuple[Any, Rep], eqn: Any) -> tuple[Any, Rep]:
         """An operand of an int16 ``eqn`` whose kernel takes one shape, broadcast to it.
 
-        Raises:
-            UnsupportedOpError: For an activation of another shape: litert-converter
-                0.5.0 folds a broadcast back into the int16 ``ADD``, then refuses it.
+        A constant is stored at the full shape. An activation is broadcast behind an
+        optimization barrier and quantized again with its own parameters:
+        litert-converter 0.5.0 folds a plain broadcast back into the int16 ``ADD``
+        (whose kernel then refuses it); with the barrier it writes DEQUANTIZE, a
+        float ``BROADCAST_TO`` and QUANTIZE, which
+        :func:`qlitert.converter.integer_broadcasts` makes one int16 ``BROADCAST_TO``.
         """
         x, q = entry
         shape = tuple(eqn.outvars[0].aval.shape)
@@ -562,12 +579,12 @@ class Interpreter:
             return entry
         if q.kind == "const":  # a full constant (a broadcast view stays a broadcast)
             return np.array(np.broadcast_to(np.asarray(x), shape)), q
-        raise UnsupportedOpError(
-            f"{eqn.primitive.name} in module {self.describe(eqn)} broadcasts an int16 "
-            f"activation of shape {tuple(np.shape(x))} to {shape}: LiteRT's int16 ADD takes "
-            "operands of one shape and litert-converter 0.5.0 folds a broadcast back into "
-            "it; use int8 for this module (a rule), or add operands of one shape"
-        )
+        label = f"{eqn.primitive.name}.broadcast"
+        x, q = self.materialize(x, q, eqn, label)
+        y = jax.lax.optimization_barrier(jnp.broadcast_to(x, shape))
+        if self.observing or q.kind != "q":
+            return y, q
+        return self.fq(y, q, f"{label} (to {shape})"), q
 
     def scan(self, eqn: Any, ins: list[tuple[Any, Rep]]) -> list[tuple[Any, Rep]]:
         """A fixed-length ``jax.lax.scan`` (``nn.RNN``, ``fori_loop``), unrolled.
@@ -610,20 +627,34 @@ class Interpreter:
                 stacked.append(self.site(jnp.stack(xs_j).astype(outvar.aval.dtype), eqn, "scan"))
         return [*carry, *stacked]
 
-    def select(self, eqn: Any, ins: list[tuple[Any, Rep]], types: rules.OpTypes) -> tuple:
+    def select(
+        self,
+        eqn: Any,
+        ins: list[tuple[Any, Rep]],
+        types: rules.OpTypes,
+        bind: Callable[[Any, list[Any]], Any] | None = None,
+    ) -> tuple:
         """``select_n`` on an integer or boolean predicate: LiteRT's int8 SELECT_V2.
 
         With one non-constant case (``jnp.where(mask, scores, big_negative)``), the
         output keeps its scale and the constants are quantized with it: an
         attention mask's ``finfo.min`` becomes the range's minimum, not a range
-        of 1e38 that would leave the scores no resolution. Otherwise the output
-        has a site of its own, the converter requantizing the cases to it.
+        of 1e38 that would leave the scores no resolution. With constant cases
+        only, each one number (``jnp.where(mask, 0.0, finfo.min)``, BERT's additive
+        mask), the value is *masked*: an add consumes it (:meth:`masked`).
+        Otherwise the output has a site of its own, the converter requantizing the
+        cases to it. ``bind(predicate, cases)`` computes the select (default: ``eqn``).
         """
         (p, _), cases = ins[0], ins[1:]
         live = [i for i, (_, q) in enumerate(cases) if q.kind != "const"]
+        fills = [_uniform(c) for c, _ in cases]
+        if not live and bind is None and all(f is not None for f in fills):
+            return _bind(eqn, [p, *[c for c, _ in cases]])[0], Rep("masked", source=(p, fills))
+        if bind is None:
+            bind = lambda p, xs: _bind(eqn, [p, *xs])[0]  # noqa: E731 - the default
         if len(live) != 1:
             xs = [self.materialize(x, q, eqn, "select_n")[0] for x, q in cases]
-            return self.site(_bind(eqn, [p, *xs])[0], eqn, "select_n", types)
+            return self.site(bind(p, xs), eqn, "select_n", types)
         x, q = self.materialize(*cases[live[0]], eqn, "select_n")
         xs = []
         for i, (c, _) in enumerate(cases):
@@ -635,7 +666,42 @@ class Interpreter:
                 with jax.ensure_compile_time_eval():
                     c = jnp.broadcast_to(jnp.asarray(c, x.dtype), np.shape(x))
                 xs.append(self.fq(c, q, "select_n.const"))
-        return _bind(eqn, [p, *xs])[0], q
+        return bind(p, xs), q
+
+    def masked(
+        self, eqn: Any, ins: list[tuple[Any, Rep]], types: rules.OpTypes
+    ) -> list[tuple[Any, Rep]] | None:
+        """An op on a *masked* value (see :meth:`select`), or None to quantize it as usual.
+
+        A shape op (a reshape, a broadcast) applies to the predicate too. An add of an
+        activation ``x`` and a mask whose cases are 0 and fills of at most
+        :data:`MASK_FILL` (``scores + where(mask, 0, finfo.min)``) is the select
+        ``where(mask, x, fill)``: the fill becomes the lowest value of ``x``'s range,
+        instead of a range of 1e38 that would leave ``x`` no resolution.
+        """
+        name = eqn.primitive.name
+        (x, q), rest = ins[0], ins[1:]
+        if name in PRESERVING and q.kind == "masked":
+            p, fills = q.source
+            shaped = _preserve(eqn, [x, *[v for v, _ in rest]])[0]
+            p = _preserve(eqn, [p, *[v for v, _ in rest]])[0]
+            return [(shaped, Rep("masked", source=(p, fills)))]
+        if name != "add" or sorted(k.kind for _, k in ins) == ["masked", "masked"]:
+            return None
+        (x, q), (_, m) = ins if ins[1][1].kind == "masked" else ins[::-1]
+        p, fills = m.source
+        if sorted(f == 0 for f in fills) != [False, True] or max(fills) != 0:
+            return None
+        shape = tuple(eqn.outvars[0].aval.shape)
+        if min(fills) > MASK_FILL or np.shape(x) != shape:
+            return None
+        p = jnp.broadcast_to(p, shape)  # lax.add broadcasts dimensions of size 1
+        dtype = eqn.outvars[0].aval.dtype
+        cases = [
+            (x, q) if f == 0 else (np.full(np.shape(x), f, dtype), Rep("const")) for f in fills
+        ]
+        select = lambda p, xs: jax.lax.select_n(p, *xs)  # noqa: E731
+        return [self.select(eqn, [(p, Rep("int")), *cases], types, bind=select)]
 
     def reciprocal_mul(self, eqn: Any, ins: list[tuple[Any, Rep]], types: rules.OpTypes) -> tuple:
         """``x / c`` as LiteRT computes it: an int8 MUL by the quantized reciprocal ``1 / c``.
@@ -661,15 +727,24 @@ class Interpreter:
             )
         return self.float_op(eqn, ins)
 
-    def float_op(self, eqn: Any, ins: list[tuple[Any, Rep]]) -> list[tuple[Any, Rep]]:
-        """``eqn`` computed in float: quantized inputs are dequantized, output float."""
+    def float_op(
+        self, eqn: Any, ins: list[tuple[Any, Rep]], *, island: bool = False
+    ) -> list[tuple[Any, Rep]]:
+        """``eqn`` computed in float: quantized inputs are dequantized, output float.
+
+        ``island``: optimization barriers around it, for an op between two
+        quantizations that litert-converter 0.5.0 would otherwise convert with their
+        type (an int16 ``rsqrt`` between its input's and its consumer's sites).
+        """
         name = eqn.primitive.name
         self.seen.add(None)
-        xs = [self.materialize(x, q, eqn, name, float_op=True)[0] for x, q in ins]
+        xs = [self.materialize(x, q, eqn, name, float_op=True) for x, q in ins]
+        barrier = jax.lax.optimization_barrier if island else (lambda v: v)
+        values = [barrier(x) if q.kind == "q" else x for x, q in xs]
         # An integer result (argmax, a comparison's indices) is data, not a float
         # activation: it is never quantized.
-        outs = zip(_bind(eqn, xs), eqn.outvars, strict=True)
-        return [(o, Rep("int" if _integer([v]) else "float")) for o, v in outs]
+        outs = zip(_bind(eqn, values), eqn.outvars, strict=True)
+        return [(o, Rep("int")) if _integer([v]) else (barrier(o), Rep("float")) for o, v in outs]
 
     def transposed(self, eqn: Any, ins: list[tuple[Any, Rep]], types: rules.OpTypes) -> tuple:
         """A strided transposed convolution (``lhs_dilation``): zeros inserted, then a convolution.
@@ -956,6 +1031,17 @@ def _no_op_bound(name: str, v: Any) -> bool:
     except TypeError:  # a traced value (TracerArrayConversionError)
         return False
     return c.size > 0 and bool(np.all(c == (-np.inf if name == "max" else np.inf)))
+
+
+def _uniform(c: Any) -> float | None:
+    """The one number a constant array holds, or None (several, or not concrete)."""
+    try:
+        a = np.asarray(c)
+    except jax.errors.TracerArrayConversionError:
+        return None
+    if a.size == 0 or not np.all(a == a.reshape(-1)[0]):
+        return None
+    return float(a.reshape(-1)[0])
 
 
 def _preserve(eqn: Any, values: list[Any]) -> list[Any]:
