@@ -200,7 +200,7 @@ def bench(session: nox.Session) -> None:
     for script in ("ops.py", "flax_ptq.py"):
         session.run("python", f"benchmarks/{script}", *args)
     # litert.py in three steps: build and export, the peer quantizes the same float files
-    # in its own venv (the litert_peer session), then all three are measured in one run.
+    # in its own venv (the litert_peer session), then every file is measured in one run.
     session.run("python", "benchmarks/litert.py", "--export-for-peer", PEER_DIR)
     session.run(sys.executable, "-m", "nox", "-s", "litert_peer", "--", PEER_DIR, external=True)
     session.run("python", "benchmarks/litert.py", "--peer", PEER_DIR, *args)
@@ -210,7 +210,7 @@ def bench(session: nox.Session) -> None:
 
 @nox.session(python=PYTHON)
 def litert_peer(session: nox.Session) -> None:
-    """Quantize litert.py's float .tflite files with ai-edge-quantizer; not in the default suite.
+    """Quantize litert.py's float .tflite files with ai-edge-quantizer's recipes; not default.
 
     Its own venv, without this repository's packages. Takes the directory written by
     ``benchmarks/litert.py --export-for-peer DIR`` (default .nox/litert-peer-files).

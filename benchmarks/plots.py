@@ -103,7 +103,7 @@ def litert(data: dict[str, Any]) -> Any:
         ax.set_xscale("log")
         ax.set_xlabel(title)
     fig.suptitle(
-        f"LiteRT float vs int8 (qlitert, ai-edge-quantizer) — {_subtitle(data)}", fontsize=10
+        f"LiteRT float vs quantized (qlitert, ai-edge-quantizer) — {_subtitle(data)}", fontsize=10
     )
     return fig
 
