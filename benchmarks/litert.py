@@ -31,7 +31,10 @@ one per input of the function):
   held out). Tokenized to 128 tokens (padded, truncated). Its attention mask is an
   additive bias of ``jnp.finfo(float32).min`` on padded keys: ai-edge-quantizer
   0.10.0's static recipes give that tensor a scale of about 4e-12 (int8) or 3e-14
-  (int16), so padded keys are no longer masked, which their rows show.
+  (int16), so padded keys are no longer masked, which their rows show (qlitert
+  makes the add a select). qlitert's int8 file keeps the root module (the mean
+  pooling, whose division by the token count has no int8 kernel, and the L2
+  normalisation) float: ``Case.rules``.
 
 Digits: scikit-learn's ``load_digits`` (1,797 images, nothing downloaded), shuffled
 with seed 0; the first 1,297 train, the last 500 are held out. Calibration: the
@@ -211,6 +214,7 @@ class Case:
     agreement: str | None
     shapes: str
     dynamic: bool = False  # also the dynamic-range files (ours and the peer's)
+    rules: Any = None  # qlitert's rules for its int8 file (None: every op int8)
     int16: bool = False  # also the peer's 16x8 file
 
     def kinds(self) -> list[str]:
@@ -399,7 +403,12 @@ def minilm(_: Digits) -> Case:
         return model.apply({"params": params}, i, m)
 
     shapes = f"{MINILM_TOKENS} tokens → 384"
-    return Case(fn, batches, (ids, mask), "neighbour", shapes, dynamic=True, int16=True)
+    # The mean pooling divides by the token count (LiteRT has no int8 DIV): pooling
+    # and normalisation, the ops of the root module, stay float.
+    rules = [qlitert.Rule(module_path="", act_qtype=None, weight_qtype=None), qlitert.Rule()]
+    return Case(
+        fn, batches, (ids, mask), "neighbour", shapes, dynamic=True, int16=True, rules=rules
+    )
 
 
 # name -> builder. A model is one entry here (and one row group of the table).
@@ -432,9 +441,12 @@ def float_export(fn: Callable[..., Any], example: Inputs) -> bytes:
     return qlitert.export(qlitert.annotate(fn, floats), *example, validate=False)
 
 
-def int8_export(fn: Callable[..., Any], calibration: list[Inputs], example: Inputs) -> bytes:
-    """qlitert's full-int8 file: calibrated (default rules, strict), annotated, validated."""
-    cal = qlitert.calibrate(fn, calibration)
+def int8_export(
+    fn: Callable[..., Any], calibration: list[Inputs], example: Inputs, rules: Any = None
+) -> bytes:
+    """qlitert's int8 file: calibrated (``rules``, default every op int8; strict),
+    annotated, validated."""
+    cal = qlitert.calibrate(fn, calibration, rules=rules)
     return qlitert.export(qlitert.annotate(fn, cal), *example)
 
 
@@ -494,7 +506,7 @@ def build(names: list[str], out: Path) -> None:
         entry["files"][FLOAT] = f"{s}.float.tflite"
         print(f"    {FLOAT}: {len(float_tfl):,} B", flush=True)
 
-        int8 = partial(int8_export, case.fn, case.calibration, example)
+        int8 = partial(int8_export, case.fn, case.calibration, example, case.rules)
         _export(entry, OURS, out, f"{s}.qlitert.tflite", int8)
         if OURS_DYNAMIC in kinds:
             dynamic = partial(qlitert.export_dynamic_range, case.fn, *example)
