@@ -5,6 +5,9 @@ MobileNetV2-style CNN: a strided 3x3 stem, inverted residual blocks (1x1 expansi
 the first two; a residual add where the block keeps its shape), a 1x1 head, global
 average pooling and a dense classifier — the structure of MobileNetV2 (Sandler et
 al., 2018) with fewer channels.
+
+Transformer encoder block: pre-norm, Flax's own ``nn.MultiHeadDotProductAttention``
+and a GELU MLP, each around a residual add.
 """
 
 import flax.linen as nn
@@ -92,3 +95,13 @@ def mobilenet(stages=MOBILENET_STAGES, size=32, seed=0):
     x = np.random.default_rng(seed).normal(size=(1, size, size, 3)).astype(np.float32)
     variables = trained_batch_norms(model.init(jax.random.key(seed), x), seed)
     return (lambda x: model.apply(variables, x)), x
+
+
+class EncoderBlock(nn.Module):
+    """A pre-norm transformer block around Flax's attention module (4 heads, MLP of 128)."""
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.LayerNorm()(x)
+        x = x + nn.MultiHeadDotProductAttention(num_heads=4)(h, h)
+        return x + nn.Dense(x.shape[-1])(nn.gelu(nn.Dense(128)(nn.LayerNorm()(x))))

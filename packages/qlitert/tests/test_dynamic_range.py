@@ -17,21 +17,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from ai_edge_litert import schema_py_generated as schema
+from archs import EncoderBlock
 
 import qlitert
 from qlitert import dynamic_range
 
 BENCHMARKS = Path(__file__).resolve().parents[3] / "benchmarks"
-
-
-class EncoderBlock(nn.Module):
-    """A pre-norm transformer block around Flax's attention module."""
-
-    @nn.compact
-    def __call__(self, x):
-        h = nn.LayerNorm()(x)
-        x = x + nn.MultiHeadDotProductAttention(num_heads=4)(h, h)
-        return x + nn.Dense(x.shape[-1])(nn.gelu(nn.Dense(128)(nn.LayerNorm()(x))))
 
 
 def encoder():

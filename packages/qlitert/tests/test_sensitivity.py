@@ -1,22 +1,12 @@
-"""choose_int16: the modules whose int16 activations pay, under a budget of sites."""
+"""choose_int16: the modules whose int16 activations pay, under a budget of ops."""
 
 import flax.linen as nn
 import jax
 import numpy as np
 import pytest
+from archs import EncoderBlock
 
 import qlitert
-
-
-class EncoderBlock(nn.Module):
-    """A pre-norm transformer block around Flax's attention module."""
-
-    @nn.compact
-    def __call__(self, x):
-        h = nn.LayerNorm()(x)
-        x = x + nn.MultiHeadDotProductAttention(num_heads=4)(h, h)
-        return x + nn.Dense(x.shape[-1])(nn.gelu(nn.Dense(128)(nn.LayerNorm()(x))))
-
 
 # The residual stream and the LayerNorms, which the issue names as where int8 fails.
 STREAM = r"layers_\d+(/LayerNorm_\d+)?"
