@@ -33,6 +33,7 @@ THIRD_PARTY = {
     "flax",
     "orbax-checkpoint",
     "safetensors",
+    "tokenizers",  # reads all-MiniLM-L6-v2's tokenizer in qlitert's tests
     "matplotlib",
     "litert-converter",
     "ai-edge-litert",
