@@ -161,3 +161,11 @@ def test_minilm_with_its_real_weights(minilm):
     model = qlitert.LiteRTModel(tflite)
     got = np.concatenate([model(ids[i : i + 1], mask[i : i + 1]) for i in range(len(ids))])
     assert cosines(got, want).min() > 0.99
+
+
+def test_a_non_finite_example_input_is_named_as_export_names_it():
+    fn, x = encoder()
+    x = x.copy()
+    x[0, 0, 0] = np.nan
+    with pytest.raises(qlitert.ExportError, match=r"example_inputs\[0\] has 1 non-finite"):
+        qlitert.export_dynamic_range(fn, x)

@@ -2,6 +2,7 @@
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from archs import EncoderBlock
@@ -88,6 +89,7 @@ def test_a_tight_budget_or_a_met_target_chooses_less(encoder, choice):
         ({"max_int16_fraction": 0}, r"max_int16_fraction=0; allowed: a number in \(0, 1\]"),
         ({"max_int16_fraction": 1.5}, r"max_int16_fraction=1.5"),
         ({"max_int16_fraction": True}, r"max_int16_fraction=True"),
+        ({"max_int16_fraction": "half"}, r"max_int16_fraction='half'; allowed: a number"),
         ({"target_sqnr_db": float("inf")}, r"target_sqnr_db=inf; allowed: a finite number"),
         ({"candidates": "nothing/here"}, r"no module has int8 ops .* candidates='nothing/here'"),
         ({"candidates": "(a+)+$"}, r"module_path"),
@@ -103,3 +105,27 @@ def test_no_batches_is_an_error(encoder):
     fn, _ = encoder
     with pytest.raises(ValueError, match=r"batches is empty"):
         qlitert.choose_int16(fn, [], progress=False)
+
+
+def test_a_module_without_int16_kernels_is_refused_not_chosen():
+    """A concatenate has no int16 CONCATENATION in litert-converter 0.5.0: calibrating
+    it int16 raises naming it, and choose_int16 lists the module as refused (it chose
+    such a root once, and the export failed in the converter)."""
+
+    class Cat(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            h = nn.Dense(16, name="proj")(x)
+            return nn.Dense(4, name="head")(jnp.concatenate([h, 2 * h], axis=-1))
+
+    x = np.random.default_rng(0).normal(size=(4, 8)).astype(np.float32)
+    params = Cat().init(jax.random.key(0), x)
+
+    def fn(v):
+        return Cat().apply(params, v)
+
+    root16 = [qlitert.Rule(module_path="", act_qtype="int16"), qlitert.Rule()]
+    with pytest.raises(qlitert.UnsupportedOpError, match=r"int16 concatenate .* module ''"):
+        qlitert.calibrate(fn, [x], rules=root16)
+    choice = qlitert.choose_int16(fn, [x], candidates="", progress=False)
+    assert (choice.refused, choice.chosen, choice.modules) == (("",), (), ())

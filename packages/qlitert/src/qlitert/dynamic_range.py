@@ -63,7 +63,7 @@ from typing import Any
 import numpy as np
 
 from qlitert.annotate import annotate, calibrate
-from qlitert.export import ExportError, export
+from qlitert.export import ExportError, _spec, export
 from qlitert.inspection import ModelReport, from_bytes
 from qlitert.rules import Rule
 from qlitert.runtime import LiteRTModel
@@ -381,6 +381,8 @@ def export_dynamic_range(
     """
     if not callable(fn):
         raise TypeError(f"fn is a {type(fn).__name__}; allowed: a callable")
+    for i, x in enumerate(example_inputs):  # named as export names them, before calibrating
+        _spec(x, i, validate)
     # Every op float, through qlitert's interpreter: it writes the composites LiteRT
     # has kernels for (GELU, softmax...) where the converter would expand them.
     floats = calibrate(

@@ -528,6 +528,9 @@ class Interpreter:
             return [(o, q) for o in _preserve(eqn, [x, *values[1:]])]
         if name == "select_n" and kinds[0] == "int":  # jnp.where(mask, x, y)
             return [self.select(eqn, ins, types)]
+        if name == "concatenate" and types.act == "int16":
+            what = "an int16 concatenate (litert-converter 0.5.0 has no int16 CONCATENATION)"
+            return self.unsupported(eqn, ins, what)
         if name == "concatenate":
             # TFLite's CONCATENATION shares one scale: the converter writes a matmul/
             # convolution output feeding it at the concat's scale (one rounding) and
@@ -734,7 +737,7 @@ class Interpreter:
 
         ``island``: optimization barriers around it, for an op between two
         quantizations that litert-converter 0.5.0 would otherwise convert with their
-        type (an int16 ``rsqrt`` between its input's and its consumer's sites).
+        type (an int16 module's float ``rsqrt`` became an int16 ``RSQRT``).
         """
         name = eqn.primitive.name
         self.seen.add(None)

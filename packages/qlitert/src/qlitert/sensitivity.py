@@ -57,6 +57,7 @@ import numpy as np
 
 from qlitert import rules as _rules
 from qlitert.annotate import annotate, calibrate
+from qlitert.interpreter import UnsupportedOpError
 from qlitert.rules import Rule
 
 
@@ -89,6 +90,8 @@ class Int16Choice:
         error: The error with ``rules``.
         int16_fraction: The share of the quantized ops that are int16 with ``rules``.
         modules: Every candidate's sensitivity, largest gain first.
+        refused: Candidates whose int16 rule qlitert refuses (an op without an int16
+            kernel, e.g. a concatenate): never chosen.
     """
 
     rules: tuple[Rule, ...]
@@ -97,6 +100,7 @@ class Int16Choice:
     error: float
     int16_fraction: float
     modules: tuple[ModuleSensitivity, ...]
+    refused: tuple[str, ...] = ()
 
     @property
     def sqnr_db(self) -> float:
@@ -208,7 +212,10 @@ def choose_int16(
             ``target_sqnr_db``, empty ``batches``, or a baseline without int8 ops;
             what :func:`qlitert.calibrate` raises.
     """
-    if isinstance(max_int16_fraction, bool) or not 0 < max_int16_fraction <= 1:
+    number = isinstance(max_int16_fraction, int | float) and not isinstance(
+        max_int16_fraction, bool
+    )
+    if not number or not 0 < max_int16_fraction <= 1:
         raise ValueError(f"max_int16_fraction={max_int16_fraction!r}; allowed: a number in (0, 1]")
     if target_sqnr_db is not None and not math.isfinite(target_sqnr_db):
         raise ValueError(f"target_sqnr_db={target_sqnr_db!r}; allowed: a finite number or None")
@@ -226,9 +233,13 @@ def choose_int16(
             "no module has int8 ops under the baseline rules"
             + ("" if candidates is None else f" and matches candidates={candidates!r}")
         )
-    modules = []
+    modules, refused = [], []
     for path in paths:
-        error, _ = measure([_int16(path), *base], f"{path or '(root)'} int16")
+        try:
+            error, _ = measure([_int16(path), *base], f"{path or '(root)'} int16")
+        except UnsupportedOpError:
+            refused.append(path)
+            continue
         modules.append(ModuleSensitivity(path, int8_ops[path], error, baseline - error))
     modules.sort(key=lambda m: -m.gain)
     chosen: list[str] = []
@@ -252,6 +263,7 @@ def choose_int16(
         error=error,
         int16_fraction=used / max(total, 1),
         modules=tuple(modules),
+        refused=tuple(refused),
     )
 
 
