@@ -65,14 +65,15 @@ def _scaled_weight(tflite, op_index, factor):
     return bytes(builder.Output())
 
 
+@pytest.mark.parametrize("factor", [1.05, 1.25])
 @pytest.mark.parametrize("kernels", ["xnnpack", "builtin"])
-def test_one_wrong_weight_scale_is_named(kernels):
+def test_one_wrong_weight_scale_is_named(kernels, factor):
     fn, x = encoder()
     float_model = qlitert.export(fn, x, validate=False)
     tflite, rewritten = dynamic_range.quantize_weights(float_model)
     assert dynamic_range.check_ops(tflite, rewritten, [x], kernels=kernels) == []
     target = rewritten[4].op
-    bad = _scaled_weight(tflite, target, 1.25)
+    bad = _scaled_weight(tflite, target, factor)
     problems = dynamic_range.check_ops(bad, rewritten, [x], kernels=kernels)
     assert [p.split(":")[0] for p in problems] == [f"op {target} FULLY_CONNECTED"]
 
