@@ -346,3 +346,55 @@ def test_a_float_module_between_quantized_ones_stays_float():
     assert report.op_types(dw) == (["FLOAT32", "FLOAT32", "FLOAT32"], ["FLOAT32"])
     assert report.op_types(kernel(report, "CONV_2D"))[1] == ["INT8"]
     assert report.op_types(kernel(report, "FULLY_CONNECTED"))[1] == ["INT8"]
+
+
+class _NormThenRelu(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(8, name="out")(nn.relu(nn.LayerNorm(name="norm")(x)))
+
+
+class _DenseReluDense(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(8, name="out")(nn.relu(nn.Dense(16, name="inner")(x)))
+
+
+@pytest.mark.parametrize(
+    ("model", "rules", "kernels"),
+    [
+        pytest.param(  # the relu (root, int8) reads the int16 LayerNorm through a QUANTIZE
+            _NormThenRelu,
+            [qlitert.Rule(module_path="norm", act_qtype="int16"), qlitert.Rule()],
+            {"RELU": ["INT8"], "FULLY_CONNECTED": ["INT8"]},
+            id="int16-norm-then-int8-relu",
+        ),
+        pytest.param(  # the float root's relu is exact on int8 codes: fused into the Dense
+            _DenseReluDense,
+            [
+                qlitert.Rule(module_path="inner|out"),
+                qlitert.Rule(act_qtype=None, weight_qtype=None),
+            ],
+            {"FULLY_CONNECTED": ["INT8", "INT8"]},
+            id="int8-dense-then-float-relu",
+        ),
+    ],
+)
+def test_a_clamp_after_a_module_of_another_type_exports(model, rules, kernels):
+    """A relu right after a module of another activation type. Before the fix the first
+    case failed in the converter ('tfl.maximum' op quantization parameters violate the
+    same scale constraint) and the second in validation (the converter fused the float
+    relu into the int8 Dense, requantizing it with the next Dense's parameters)."""
+    x = RNG.normal(size=(6, 16)).astype(np.float32)
+    variables = model().init(jax.random.key(0), x[:1])
+
+    def fn(v):
+        return model().apply(variables, v)
+
+    cal = qlitert.calibrate(fn, [x[:3], x[3:]], rules=rules)
+    report = qlitert.inspect(qlitert.export(qlitert.annotate(fn, cal), x[:1]))  # validated
+    for name, outputs in kernels.items():
+        assert [report.op_types(op)[1][0] for op in report.ops if op.name == name] == outputs
+    want = np.asarray(fn(x[:1]))
+    got = qlitert.LiteRTModel(qlitert.export(qlitert.annotate(fn, cal), x[:1]))(x[:1])
+    np.testing.assert_allclose(np.asarray(got), want, atol=0.1 * np.abs(want).max())

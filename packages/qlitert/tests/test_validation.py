@@ -173,3 +173,73 @@ def test_a_model_written_nchw_is_matched_with_litert_nhwc_tensors():
     conv = layers.layers[-1]
     assert (conv.site, conv.op_name) == ("conv", "CONV_2D")
     assert conv.matched and conv.max_steps <= 1 and layers.problems() == []
+
+
+def test_float_arithmetic_beyond_qlitert_s_float_islands_is_named():
+    """An int16 LayerNorm computes its rsqrt in float, so FLOAT32 is allowed; that no
+    longer lets other ops go float: an int8 relu and Dense after such a LayerNorm
+    came back float (a first version of the clamp fix) and passed."""
+    import flax.linen as nn  # noqa: PLC0415
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(4, name="head")(nn.LayerNorm(name="norm")(x))
+
+    x = np.random.default_rng(0).normal(size=(2, 8)).astype(np.float32)
+    params = Net().init(jax.random.key(0), x)
+
+    def fn(v):
+        return Net().apply(params, v)
+
+    rules = [qlitert.Rule(module_path="norm", act_qtype="int16"), qlitert.Rule()]
+    annotated = qlitert.annotate(fn, qlitert.calibrate(fn, [x], rules=rules))
+    report = qlitert.inspect(qlitert.export(annotated, x))  # validated: passes
+    assert annotated.float_islands == ("rsqrt",)
+    assert "FLOAT32" in annotated.compute_types
+    (k,) = [k for k, op in enumerate(report.ops) if op.name == "RSQRT"]
+    assert qlitert.check_kernels(report, annotated.compute_types, ("rsqrt",)) == []
+    (problem,) = qlitert.check_kernels(report, annotated.compute_types, ())
+    assert problem.startswith(f"1 float arithmetic ops (op {k} RSQRT) where no rule asks")
+    assert "qlitert computes 0 ops in float (none)" in problem
+    floats = [qlitert.Rule(module_path="head", act_qtype=None, weight_qtype=None), *rules]
+    mixed = qlitert.annotate(fn, qlitert.calibrate(fn, [x], rules=floats))
+    qlitert.export(mixed, x)
+    assert mixed.float_islands is None  # a float module: its ops are not counted
+
+
+@pytest.mark.parametrize(
+    ("activation", "at_least"),
+    [(lambda h: h**3, 2), (jax.scipy.special.erf, 11)],
+    ids=["cube", "erf"],
+)
+def test_a_float_module_s_ops_are_not_counted(activation, at_least):
+    """Why float modules are exempt from the count: litert-converter 0.5.0 writes one
+    float primitive as several ops, and such a model is correct."""
+    import flax.linen as nn  # noqa: PLC0415
+
+    class Act(nn.Module):
+        def __call__(self, h):
+            return activation(h)
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(4, name="b")(Act(name="act")(nn.Dense(8, name="a")(x)))
+
+    x = np.random.default_rng(1).normal(size=(4, 8)).astype(np.float32)
+    params = Net().init(jax.random.key(0), x)
+
+    def fn(v):
+        return Net().apply(params, v)
+
+    rules = [qlitert.Rule(module_path="act", act_qtype=None, weight_qtype=None), qlitert.Rule()]
+    annotated = qlitert.annotate(fn, qlitert.calibrate(fn, [x], rules=rules))
+    report = qlitert.inspect(qlitert.export(annotated, x))  # validated
+    arithmetic = [
+        op.name
+        for op in report.ops
+        if op.name not in ("QUANTIZE", "DEQUANTIZE") and "FLOAT32" in sum(report.op_types(op), [])
+    ]
+    assert annotated.float_islands is None
+    assert len(arithmetic) >= at_least > 1  # one primitive, several float ops

@@ -236,13 +236,16 @@ class Annotated:
     """A function with LiteRT quantization annotations (from :func:`annotate`).
 
     Calling it runs the annotated model. After a call (or an export, which traces
-    it), :attr:`compute_types` holds the tensor types its kernels use, which
-    :func:`qlitert.export` validates against.
+    it), :attr:`compute_types` holds the tensor types its kernels use, and
+    :attr:`float_islands` the ops qlitert computes in float on its own (an int16
+    LayerNorm's ``rsqrt``), or None if a rule computes some op in float; both are
+    what :func:`qlitert.export` validates against.
     """
 
     def __init__(self, fn: Callable[..., Any], calibration: Calibration, int8_io: bool) -> None:
         self.fn, self.calibration, self.int8_io = fn, calibration, int8_io
         self.compute_types: tuple[str, ...] | None = None
+        self.float_islands: tuple[str, ...] | None = None
 
     def __call__(self, *inputs: Any) -> Any:
         """The annotated model's outputs (JAX's view of the integer model)."""
@@ -250,6 +253,8 @@ class Annotated:
         out = _interpret(self.fn, inputs, interp, int8_io=self.int8_io)
         types = {t for kind in interp.seen for t in TENSOR_TYPES.get(kind, ())}
         self.compute_types = tuple(sorted(types | set(INTEGER_TYPES)))
+        islands = all(island for _, island in interp.float_ops)
+        self.float_islands = tuple(n for n, _ in interp.float_ops) if islands else None
         return out
 
 

@@ -133,7 +133,7 @@ def export(
         output_names=_names("output_names", output_names, len(exported.out_avals), "y"),
     )
     if validate:
-        problems = check_kernels(inspect(tflite), allowed)
+        problems = check_kernels(inspect(tflite), allowed, getattr(fn, "float_islands", None))
         problems += check_agreement(tflite, fn, example_inputs)
         if problems:
             raise ExportError("the converted model failed validation:\n" + "\n".join(problems))
@@ -165,13 +165,29 @@ def _check_types(compute_types: Sequence[str] | None) -> None:
         )
 
 
-def check_kernels(report: ModelReport, compute_types: Sequence[str] = INTEGER_TYPES) -> list[str]:
-    """Problems with the op types: disallowed types, or a DEQUANTIZE mid-graph.
+def check_kernels(
+    report: ModelReport,
+    compute_types: Sequence[str] = INTEGER_TYPES,
+    float_islands: Sequence[str] | None = None,
+) -> list[str]:
+    """Problems with the op types: disallowed types, DEQUANTIZE mid-graph, float islands.
+
+    The problems are: a type not allowed, a DEQUANTIZE mid-graph, or float
+    arithmetic beyond qlitert's float islands.
 
     With ``FLOAT32`` allowed (float modules), QUANTIZE / DEQUANTIZE may sit anywhere.
     Integer data entering the quantized graph (``mask.astype(jnp.float32)``: a CAST
     from an integer type to FLOAT32 that only QUANTIZE ops read) is allowed like a
     graph input: it holds integers, and no float arithmetic is done on them.
+
+    ``float_islands`` (an :class:`~qlitert.Annotated` function's
+    ``float_islands``: the ops qlitert computes in float on its own, such as an
+    int16 LayerNorm's ``rsqrt``, in a model whose rules compute nothing in float)
+    are each one float op of the file. A file with more float arithmetic ops
+    (ops other than QUANTIZE, DEQUANTIZE and those that only move data) computes
+    in float an op a rule asked to be integer, although ``FLOAT32`` is allowed.
+    None: not checked (a float module's ops have no fixed count of TFLite ops:
+    litert-converter 0.5.0 writes ``x**3`` as two MULs and ``erf`` as more than ten).
     """
     problems = []
     graph_inputs, graph_outputs = set(report.inputs), set(report.outputs)
@@ -204,7 +220,28 @@ def check_kernels(report: ModelReport, compute_types: Sequence[str] = INTEGER_TY
         bad = sorted({t for t in ins + outs if t not in allowed})
         if bad:
             problems.append(f"op {k} {op.name} computes in {bad} (inputs {ins}, outputs {outs})")
+    arithmetic = [
+        f"op {k} {op.name}"
+        for k, op in enumerate(report.ops)
+        if op.name not in _NO_ARITHMETIC and "FLOAT32" in sum(report.op_types(op), [])
+    ]
+    if float_islands is not None and len(arithmetic) > len(float_islands):
+        problems.append(
+            f"{len(arithmetic)} float arithmetic ops ({', '.join(arithmetic)}) where no rule "
+            f"asks for float and qlitert computes {len(float_islands)} ops in float "
+            f"({', '.join(float_islands) or 'none'}): an op a rule asked to be integer "
+            "computes in float"
+        )
     return problems
+
+
+# Ops that convert or only move data: no float arithmetic of their own.
+_NO_ARITHMETIC = frozenset({
+    "QUANTIZE", "DEQUANTIZE", "CAST", "RESHAPE", "TRANSPOSE", "SQUEEZE", "EXPAND_DIMS",
+    "CONCATENATION", "GATHER", "GATHER_ND", "SLICE", "STRIDED_SLICE", "BROADCAST_TO", "PAD",
+    "PADV2", "PACK", "UNPACK", "SPLIT", "SPLIT_V", "REVERSE_V2", "TILE", "SELECT",
+    "SELECT_V2", "SHAPE", "DEPTH_TO_SPACE", "SPACE_TO_DEPTH",
+})  # fmt: skip
 
 
 def check_agreement(tflite: bytes, fn: Callable[..., Any], inputs: Sequence[Any]) -> list[str]:

@@ -136,6 +136,8 @@ class Interpreter:
         self.used_rules: set[int] = set()
         self.op_paths: dict[int, str] = {}  # id of each typed equation -> its module path
         self.seen: set[str | None] = set()  # the types used: "int8", "int16", "int4", None
+        # The ops computed in float: (name, whether qlitert chose it: an island).
+        self.float_ops: list[tuple[str, bool]] = []
         self.outer: list[str] = []  # name stacks of the calls being interpreted
 
     # -- where and how -------------------------------------------------------
@@ -334,6 +336,8 @@ class Interpreter:
         types = self.types(block[-1])
         x, q = read(_block_input(block))
         x, _ = self.materialize(x, q, block[0], kind, float_op=types.act is None)
+        if types.act is None:
+            self.float_ops.append((kind, False))
 
         def replay(x: Any) -> Any:
             local: dict[Any, Any] = {_block_input(block): x}
@@ -440,6 +444,8 @@ class Interpreter:
         if eqn.params.get("name") in NAMED_KERNELS and all(k == "const" for k in kinds[1:]):
             types = self.types(eqn)
             x, _ = self.materialize(values[0], ins[0][1], eqn, name, float_op=types.act is None)
+            if types.act is None:
+                self.float_ops.append((str(eqn.params["name"]), False))
             out = _bind(eqn, [x, *values[1:]])[0]
             return [self.site(out, eqn, str(eqn.params["name"]), types)]
         if name == "scan":
@@ -488,6 +494,9 @@ class Interpreter:
                 return masked
             ins = [(x, Rep("float")) if q.kind == "masked" else (x, q) for x, q in ins]
             kinds = [q.kind for _, q in ins]
+        clamp = self.clamp(eqn, ins, types)
+        if clamp is not None:
+            return [clamp]
         if types.act is None and name not in PRESERVING:
             return self.float_op(eqn, ins)
         dilation = tuple(eqn.params.get("lhs_dilation") or ())
@@ -500,9 +509,6 @@ class Interpreter:
             # max(x, -inf) and min(x, inf) (jnp.max's initial=-inf) are x: an infinite
             # constant has no quantization parameters.
             return [ins[kept]]
-        pending = next((q for _, q in ins if q.kind == "pending" and not q.inherit), None)
-        if name in ("max", "min") and pending is not None and sorted(kinds) == ["const", "pending"]:
-            return [(_bind(eqn, values)[0], pending)]  # ReLU, ReLU6, clip(-1, 1): fused
         if name == "reduce_window_sum":  # average pool (with the div): input's scale
             if any(lo or hi for lo, hi in eqn.params["padding"]):
                 return self.unsupported(eqn, ins, "average pooling with padding ('SAME')")
@@ -565,6 +571,41 @@ class Interpreter:
                 return [self.fixed_site(out, eqn, name, types.act)]
             return [self.site(out, eqn, name, types)]
         return self.unsupported(eqn, ins, f"op {name!r}")
+
+    def clamp(self, eqn: Any, ins: list[tuple[Any, Rep]], types: Any) -> tuple[Any, Rep] | None:
+        """A clamp keeping its input's quantization parameters, or None (another op).
+
+        A clamp is ``max``/``min`` of an activation and a constant (ReLU, ReLU6, clip).
+
+        Right after a quantized producer whose site is not placed yet (a matmul, a
+        convolution, an add), the clamp is fused into it, whatever the clamp's own
+        rule: on the producer's codes it is exact, and litert-converter 0.5.0 fuses
+        it into the producer's kernel anyway (a float clamp between two int8 Denses
+        came back fused and requantized with the next Dense's parameters). After a
+        requantization (an int16 LayerNorm read by an int8 ReLU) it keeps the
+        requantized parameters: LiteRT's ``MAXIMUM``/``MINIMUM`` share one scale
+        between input and output, and nothing before them takes a fused activation.
+        """
+        kinds = sorted(q.kind for _, q in ins)
+        if eqn.primitive.name not in ("max", "min") or kinds not in (
+            ["const", "pending"],
+            ["const", "q"],
+        ):
+            return None
+        values = [x for x, _ in ins]
+        i = next(k for k, (_, q) in enumerate(ins) if q.kind != "const")
+        q = ins[i][1]
+        if q.kind == "pending" and not q.inherit:
+            return _bind(eqn, values)[0], q
+        if q.kind != "q" or types.act is None or types.act == q.qtype:
+            return None
+        values[i], q = self.materialize(values[i], q, eqn, eqn.primitive.name)
+        y = _bind(eqn, values)[0]
+        if self.observing:
+            return y, q
+        # The same parameters again (exact: the clamp's constant is on the grid), so
+        # that the converter sees a quantized output and keeps the op integer.
+        return self.fq(y, q, f"{eqn.primitive.name} (clamped)"), q
 
     def same_shape(self, entry: tuple[Any, Rep], eqn: Any) -> tuple[Any, Rep]:
         """An operand of an int16 ``eqn`` whose kernel takes one shape, broadcast to it.
@@ -741,6 +782,7 @@ class Interpreter:
         """
         name = eqn.primitive.name
         self.seen.add(None)
+        self.float_ops.append((name, island))
         xs = [self.materialize(x, q, eqn, name, float_op=True) for x, q in ins]
         barrier = jax.lax.optimization_barrier if island else (lambda v: v)
         values = [barrier(x) if q.kind == "q" else x for x, q in xs]
