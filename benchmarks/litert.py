@@ -36,6 +36,12 @@ one per input of the function):
   pooling, whose division by the token count has no int8 kernel, and the L2
   normalisation) float: ``Case.rules``.
 
+* ``conv 1x1``, ``depthwise 3x3``, ``Dense``: single layers (``Layer``) of
+  ``LAYER_CHANNELS`` outputs on random weights and inputs (a 32x32x256 image; 128
+  rows of 256 features, the Dense 4x wider), 4 calibration batches of 8, 16 held
+  out; ``Case.macs`` gives their multiply-accumulates, and ``layer_lines`` their
+  rate per file at 1 thread: what the models' int8 latency is made of.
+
 Digits: scikit-learn's ``load_digits`` (1,797 images, nothing downloaded), shuffled
 with seed 0; the first 1,297 train, the last 500 are held out. Calibration: the
 first 256 training inputs, in 4 batches of 64 for ``qlitert.calibrate`` and one
@@ -152,6 +158,8 @@ MOBILENET_SIZE, MOBILENET_STEPS = 64, 100
 ENCODER_BLOCKS, ENCODER_TOKENS, ENCODER_WIDTH = 2, 16, 64
 MINILM_TOKENS, MINILM_HELDOUT, MINILM_CALIBRATION, MINILM_CAL_BATCH = 128, 512, 64, 16
 REFERENCE_BATCH = 64  # the float JAX model's held-out outputs are computed in these batches
+# The single layers: channels, image side of the convolutions, rows of the Dense.
+LAYER_CHANNELS, LAYER_SIDE, LAYER_ROWS = 256, 32, 128
 
 Inputs = tuple[np.ndarray, ...]  # one array per input of the function
 
@@ -176,6 +184,21 @@ class MLP(nn.Module):
             if i < 3:
                 x = nn.relu(x)
         return x
+
+
+class Layer(nn.Module):
+    """One layer of ``LAYER_CHANNELS`` outputs: ``kind`` is "conv" (1x1), "depthwise"
+    (3x3) or "dense" (4x wider)."""
+
+    kind: str
+
+    @nn.compact
+    def __call__(self, x):
+        if self.kind == "conv":
+            return nn.Conv(LAYER_CHANNELS, (1, 1))(x)
+        if self.kind == "depthwise":
+            return nn.Conv(LAYER_CHANNELS, (3, 3), feature_group_count=LAYER_CHANNELS)(x)
+        return nn.Dense(4 * LAYER_CHANNELS)(x)
 
 
 class EncoderBlock(nn.Module):
@@ -216,6 +239,7 @@ class Case:
     dynamic: bool = False  # also the dynamic-range files (ours and the peer's)
     rules: Any = None  # qlitert's rules for its int8 file (None: every op int8)
     int16: bool = False  # also the peer's 16x8 file
+    macs: int = 0  # multiply-accumulates per call (the single layers)
 
     def kinds(self) -> list[str]:
         """The rows of this model, in table order."""
@@ -411,6 +435,28 @@ def minilm(_: Digits) -> Case:
     )
 
 
+def layer(kind: str, shape: tuple[int, ...], macs: int) -> Callable[[Digits], Case]:
+    """A single-layer case: random weights, 4 calibration batches of 8, 16 held out."""
+
+    def build(_: Digits) -> Case:
+        model = Layer(kind)
+        variables = model.init(jax.random.key(3), np.zeros((1, *shape), np.float32))
+        rng = np.random.default_rng(3)
+        cal = [(rng.normal(size=(8, *shape)).astype(np.float32),) for _ in range(CAL_BATCHES)]
+        heldout = (rng.normal(size=(16, *shape)).astype(np.float32),)
+        out = (*shape[:-1], 4 * LAYER_CHANNELS if kind == "dense" else LAYER_CHANNELS)
+        shapes = f"{'×'.join(map(str, shape))} → {'×'.join(map(str, out))}"
+
+        def fn(v):
+            return model.apply(variables, v)
+
+        return Case(fn, cal, heldout, None, shapes, macs=macs)
+
+    return build
+
+
+_C, _S, _R = LAYER_CHANNELS, LAYER_SIDE, LAYER_ROWS
+
 # name -> builder. A model is one entry here (and one row group of the table).
 CASES: dict[str, Callable[[Digits], Case]] = {
     "digits CNN": digits_cnn,
@@ -418,7 +464,11 @@ CASES: dict[str, Callable[[Digits], Case]] = {
     "MobileNetV2-style": mobilenet,
     "encoder 2x": encoder,
     "MiniLM-L6": minilm,
+    "conv 1x1": layer("conv", (_S, _S, _C), _S * _S * _C * _C),
+    "depthwise 3x3": layer("depthwise", (_S, _S, _C), _S * _S * _C * 9),
+    "Dense": layer("dense", (_R, _C), _R * _C * 4 * _C),
 }
+LAYERS = ("conv 1x1", "depthwise 3x3", "Dense")
 
 
 def slug(name: str) -> str:
@@ -498,6 +548,7 @@ def build(names: list[str], out: Path) -> None:
             "files": {},
             "convert_s": {},
             "errors": {},
+            "macs": case.macs,
         }
         t0 = time.perf_counter()
         float_tfl = float_export(case.fn, example)
@@ -654,6 +705,8 @@ def measure(
             lat[n]["calls"] = calls
         for kind in kinds:
             row: dict[str, Any] = {"model": name, "shapes": entry["shapes"], "type": kind}
+            if entry.get("macs"):
+                row["macs"] = entry["macs"]
             if kind in PEER_RECIPES:
                 row["recipe"] = PEER_RECIPES[kind]
             if kind not in files:
@@ -851,6 +904,21 @@ def targets(rows: list[dict]) -> list[str]:
     return out
 
 
+def layer_lines(rows: list[dict]) -> list[str]:
+    """Each single layer's arithmetic rate per file at 1 thread (MACs / median time)."""
+    out = []
+    for name in LAYERS:
+        rates = [
+            f"{r['type']} {r['macs'] / r['latency']['1']['median_ms'] / 1e6:.1f}"
+            for r in rows
+            if r["model"] == name and "latency" in r and r.get("macs")
+        ]
+        if rates:
+            (first,) = {r["shapes"] for r in rows if r["model"] == name}
+            out.append(f"{name} ({first}): {', '.join(rates)} GMAC/s.")
+    return out
+
+
 def update_readme(data: dict[str, Any], path: Path) -> None:
     """Replaces the litert table of benchmarks/README.md."""
     m = data["machine"]
@@ -883,6 +951,10 @@ def update_readme(data: dict[str, Any], path: Path) -> None:
         "Targets (issue 21):",
         "",
         *(f"* {t}" for t in targets(data["rows"])),
+        "",
+        "Single layers, 1 thread, multiply-accumulates per second (batch 1):",
+        "",
+        *(f"* {t}" for t in layer_lines(data["rows"])),
     ]
     replace_section(path, "litert", "\n".join(lines))
 
@@ -923,6 +995,7 @@ def main(argv: list[str] | None = None) -> int:
     print(table(rows))
     print()
     print("\n".join(targets(rows)))
+    print("\n".join(layer_lines(rows)))
     data: dict[str, Any] = {"machine": info, "rows": rows, "peer_recipes": PEER_RECIPES}
     if peer_info:
         data["peer_versions"] = peer_info["versions"]

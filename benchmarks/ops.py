@@ -208,19 +208,26 @@ def conv_reference(x: np.ndarray, k: np.ndarray) -> np.ndarray:
     return out
 
 
+ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_int8")
+
+
 def machine() -> dict[str, Any]:
     """What the numbers were measured on."""
     cpu = platform.processor() or platform.machine()
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
-        pass
+        lines = []
+    named = [ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")]
+    cpu = named[0] if named else cpu
+    flags = next((ln.split(":", 1)[1].split() for ln in lines if ln.startswith("flags")), [])
     return {
         "cpu": cpu,
         "cores": os.cpu_count(),
+        # The vector extensions int8 and float kernels choose between (LiteRT's XNNPACK
+        # and XLA:CPU pick theirs at run time): int8 is faster than float per
+        # instruction only with VNNI.
+        "isa": [f for f in ISA_FLAGS if f in flags] or "(unknown)",
         "python": platform.python_version(),
         "jax": jax.__version__,
         "qcore": qcore.__version__,
@@ -274,10 +281,16 @@ def table(rows: list[dict[str, Any]]) -> str:
 def measured_on(m: dict[str, Any], versions: str) -> str:
     """The first sentence of every results section: date, machine, versions, allocator."""
     return (
-        f"Measured {m['date']} on {m['cpu']} ({m['cores']} cores), Python {m['python']}, "
+        f"Measured {m['date']} on {m['cpu']} ({m['cores']} cores{_isa(m)}), Python {m['python']}, "
         f"jax {m['jax']}, {versions}; GLIBC_TUNABLES {m['GLIBC_TUNABLES']}, XLA_FLAGS "
         f"{m['XLA_FLAGS']}."
     )
+
+
+def _isa(m: dict[str, Any]) -> str:
+    """``"; avx2, fma"``: the machine's vector extensions, where the run recorded them."""
+    isa = m.get("isa")
+    return f"; {', '.join(isa) if isinstance(isa, list) else isa}" if isa else ""
 
 
 def report(data: dict[str, Any]) -> str:
