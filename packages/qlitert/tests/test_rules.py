@@ -369,13 +369,13 @@ class _DenseReluDense(nn.Module):
             {"RELU": ["INT8"], "FULLY_CONNECTED": ["INT8"]},
             id="int16-norm-then-int8-relu",
         ),
-        pytest.param(  # the float root's relu is exact on int8 codes: fused into the Dense
+        pytest.param(  # the float root's relu: a float RELU between the int8 Dense layers
             _DenseReluDense,
             [
                 qlitert.Rule(module_path="inner|out"),
                 qlitert.Rule(act_qtype=None, weight_qtype=None),
             ],
-            {"FULLY_CONNECTED": ["INT8", "INT8"]},
+            {"FULLY_CONNECTED": ["INT8", "INT8"], "RELU": ["FLOAT32"]},
             id="int8-dense-then-float-relu",
         ),
     ],
@@ -384,7 +384,8 @@ def test_a_clamp_after_a_module_of_another_type_exports(model, rules, kernels):
     """A relu right after a module of another activation type. Before the fix the first
     case failed in the converter ('tfl.maximum' op quantization parameters violate the
     same scale constraint) and the second in validation (the converter fused the float
-    relu into the int8 Dense, requantizing it with the next Dense's parameters)."""
+    relu into the int8 Dense, requantizing it with the next Dense's parameters; the
+    float op's optimization barriers keep it float)."""
     x = RNG.normal(size=(6, 16)).astype(np.float32)
     variables = model().init(jax.random.key(0), x[:1])
 
@@ -398,3 +399,65 @@ def test_a_clamp_after_a_module_of_another_type_exports(model, rules, kernels):
     want = np.asarray(fn(x[:1]))
     got = qlitert.LiteRTModel(qlitert.export(qlitert.annotate(fn, cal), x[:1]))(x[:1])
     np.testing.assert_allclose(np.asarray(got), want, atol=0.1 * np.abs(want).max())
+
+
+FLOAT_ACTIVATIONS = {  # name: (function, its LiteRT kernel if it has one)
+    "tanh": (jax.numpy.tanh, "TANH"),
+    "sigmoid": (jax.nn.sigmoid, "LOGISTIC"),
+    "softmax": (jax.nn.softmax, "SOFTMAX"),
+    "log_softmax": (jax.nn.log_softmax, "LOG_SOFTMAX"),
+    "gelu exact": (lambda h: jax.nn.gelu(h, approximate=False), "GELU"),
+    "gelu tanh": (jax.nn.gelu, "GELU"),
+    "gelu by hand": (
+        lambda h: 0.5 * h * (1 + jax.numpy.tanh(0.79788456 * (h + 0.044715 * h**3))),
+        "TANH",
+    ),
+    "silu": (jax.nn.silu, "LOGISTIC"),
+    "softplus": (jax.nn.softplus, None),
+    "elu": (jax.nn.elu, None),
+    "exp": (jax.numpy.exp, "EXP"),
+    "expm1": (jax.numpy.expm1, None),
+    "log1p of abs": (lambda h: jax.numpy.log1p(jax.numpy.abs(h)), None),
+    "cube": (lambda h: h**3, "MUL"),
+    "erf": (jax.scipy.special.erf, None),
+    "abs to 1.5": (lambda h: jax.numpy.abs(h) ** 1.5, "POW"),
+    "standardize": (
+        lambda h: (h - h.mean(-1, keepdims=True)) * jax.lax.rsqrt(h.var(-1, keepdims=True) + 1e-5),
+        "RSQRT",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(FLOAT_ACTIVATIONS))
+def test_a_float_module_between_int8_dense_layers_computes_in_float(name):
+    """A float module's activation read from an int8 Dense and read by one. Before
+    its optimization barriers, litert-converter 0.5.0 made the op between the two
+    quantizations an int8 kernel: softmax, log_softmax and sigmoid did not load
+    (LiteRT wants their fixed output scales), tanh became an int8 TANH."""
+    activation, kernel = FLOAT_ACTIVATIONS[name]
+
+    class Act(nn.Module):
+        def __call__(self, h):
+            return activation(h)
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(4, name="b")(Act(name="act")(nn.Dense(8, name="a")(x)))
+
+    x = RNG.normal(size=(4, 8)).astype(np.float32)
+    params = Net().init(jax.random.key(0), x)
+
+    def fn(v):
+        return Net().apply(params, v)
+
+    rules = [qlitert.Rule(module_path="act", act_qtype=None, weight_qtype=None), qlitert.Rule()]
+    cal = qlitert.calibrate(fn, [x[:2], x[2:]], rules=rules, strict=False)
+    report = qlitert.inspect(qlitert.export(qlitert.annotate(fn, cal), x[:1]))  # validated
+    dense = [report.op_types(op) for op in report.ops if op.name == "FULLY_CONNECTED"]
+    assert [outs for _, outs in dense] == [["INT8"], ["INT8"]]
+    if kernel is not None:
+        assert ["FLOAT32"] in [report.op_types(op)[1] for op in report.ops if op.name == kernel]
+    assert not [
+        op.name for op in report.ops if op.name == kernel and "INT8" in report.op_types(op)[1]
+    ]

@@ -335,9 +335,11 @@ class Interpreter:
         """A softmax or GELU block: one TFLite kernel, quantized input and output only."""
         types = self.types(block[-1])
         x, q = read(_block_input(block))
-        x, _ = self.materialize(x, q, block[0], kind, float_op=types.act is None)
+        x, q = self.materialize(x, q, block[0], kind, float_op=types.act is None)
+        fence = _fence(types.act is None and q.kind == "q")
         if types.act is None:
             self.float_ops.append((kind, False))
+        x = fence(x)
 
         def replay(x: Any) -> Any:
             local: dict[Any, Any] = {_block_input(block): x}
@@ -365,7 +367,7 @@ class Interpreter:
             # PyTorch's exact gelu composite (approximate="none") to one GELU kernel.
             gelu = jax.lax.composite(lambda v, **_: replay(v), name="aten.gelu.default")
             y = gelu(x, approximate="none")
-        y = replay(x) if y is None else y
+        y = fence(replay(x) if y is None else y)
         if kind not in ("softmax", "log_softmax") or types.act is None:
             return self.site(y, block[-1], kind, types)
         if kind == "log_softmax" and types.act != "int8":
@@ -409,6 +411,8 @@ class Interpreter:
             (c, qc), (x, qx) = ins
         if not isinstance(x, _Deferred) or qc.kind != "const":
             return None
+        if self.types(eqn).act is None and self.types(x.eqn).act is not None:
+            return None  # a float module's op after a quantized contraction: float
         # Constants stay numpy (static composite attributes) unless training traces them.
         xp: Any = jnp if self.train else np
         ndim = eqn.outvars[0].aval.ndim
@@ -443,10 +447,11 @@ class Interpreter:
         inner = next((eqn.params[k] for k in CALLS if k in eqn.params), None)
         if eqn.params.get("name") in NAMED_KERNELS and all(k == "const" for k in kinds[1:]):
             types = self.types(eqn)
-            x, _ = self.materialize(values[0], ins[0][1], eqn, name, float_op=types.act is None)
+            x, q = self.materialize(values[0], ins[0][1], eqn, name, float_op=types.act is None)
+            fence = _fence(types.act is None and q.kind == "q")
             if types.act is None:
                 self.float_ops.append((str(eqn.params["name"]), False))
-            out = _bind(eqn, [x, *values[1:]])[0]
+            out = fence(_bind(eqn, [fence(x), *values[1:]])[0])
             return [self.site(out, eqn, str(eqn.params["name"]), types)]
         if name == "scan":
             return self.scan(eqn, ins)
@@ -577,27 +582,36 @@ class Interpreter:
 
         A clamp is ``max``/``min`` of an activation and a constant (ReLU, ReLU6, clip).
 
-        Right after a quantized producer whose site is not placed yet (a matmul, a
-        convolution, an add), the clamp is fused into it, whatever the clamp's own
-        rule: on the producer's codes it is exact, and litert-converter 0.5.0 fuses
-        it into the producer's kernel anyway (a float clamp between two int8 Denses
-        came back fused and requantized with the next Dense's parameters). After a
-        requantization (an int16 LayerNorm read by an int8 ReLU) it keeps the
-        requantized parameters: LiteRT's ``MAXIMUM``/``MINIMUM`` share one scale
+        A quantized clamp costs no quantization of its own: right after a quantized
+        producer whose site is not placed yet (a matmul, a convolution, an add) it is
+        fused into it (exact on the producer's codes); after a requantization to its
+        type (an int16 LayerNorm read by an int8 ReLU) it keeps the requantized
+        parameters: LiteRT's ``MAXIMUM``/``MINIMUM`` share one scale between input
+        and output, and a ``QUANTIZE`` takes no fused activation. After a float
+        module's op it is quantized after the clamp, as that op's output would be.
+        A float module's clamp is a float op (None).
         between input and output, and nothing before them takes a fused activation.
         """
         kinds = sorted(q.kind for _, q in ins)
         if eqn.primitive.name not in ("max", "min") or kinds not in (
             ["const", "pending"],
             ["const", "q"],
+            ["const", "float"],
         ):
             return None
         values = [x for x, _ in ins]
         i = next(k for k, (_, q) in enumerate(ins) if q.kind != "const")
         q = ins[i][1]
+        if types.act is None:
+            return None  # a float module's clamp: a float op
         if q.kind == "pending" and not q.inherit:
             return _bind(eqn, values)[0], q
-        if q.kind != "q" or types.act is None or types.act == q.qtype:
+        if q.kind == "float":
+            # After a float module: quantized after the clamp, like a float op's
+            # output read by a quantized one (the converter fuses it into the
+            # float kernel, and one QUANTIZE follows).
+            return _bind(eqn, values)[0], Rep("pending", origin=eqn)
+        if q.kind != "q" or types.act == q.qtype:
             return None
         values[i], q = self.materialize(values[i], q, eqn, eqn.primitive.name)
         y = _bind(eqn, values)[0]
@@ -776,15 +790,18 @@ class Interpreter:
     ) -> list[tuple[Any, Rep]]:
         """``eqn`` computed in float: quantized inputs are dequantized, output float.
 
-        ``island``: optimization barriers around it, for an op between two
-        quantizations that litert-converter 0.5.0 would otherwise convert with their
-        type (an int16 module's float ``rsqrt`` became an int16 ``RSQRT``).
+        An op reading a quantized value gets optimization barriers around it (so does
+        an ``island``): litert-converter 0.5.0 otherwise converts an op between two
+        quantizations with their type (a float module's ``tanh`` or softmax after an
+        int8 Dense became an int8 kernel, an int16 module's float ``rsqrt`` an int16
+        ``RSQRT``). Ops reading only float values get none, so float modules keep
+        the converter's fusions (a bias add into its ``FULLY_CONNECTED``).
         """
         name = eqn.primitive.name
         self.seen.add(None)
         self.float_ops.append((name, island))
         xs = [self.materialize(x, q, eqn, name, float_op=True) for x, q in ins]
-        barrier = jax.lax.optimization_barrier if island else (lambda v: v)
+        barrier = _fence(island or any(q.kind == "q" for _, q in xs))
         values = [barrier(x) if q.kind == "q" else x for x, q in xs]
         # An integer result (argmax, a comparison's indices) is data, not a float
         # activation: it is never quantized.
@@ -1055,6 +1072,11 @@ def _scalar(v: Any) -> jax.Array:
 def _integer(avals: list[Any]) -> bool:
     """Whether all are integer or boolean (indices, masks): never quantized."""
     return all(jnp.issubdtype(v.aval.dtype, jnp.integer) or v.aval.dtype == bool for v in avals)
+
+
+def _fence(on: bool) -> Callable[[Any], Any]:
+    """``jax.lax.optimization_barrier`` if ``on``, else the identity."""
+    return jax.lax.optimization_barrier if on else (lambda v: v)
 
 
 def _unbounded(name: str, values: list[Any]) -> int | None:
