@@ -41,6 +41,38 @@ class InvertedResidual(nn.Module):
         return x + h if self.stride == 1 and channels == self.features else h
 
 
+class ResNetBlock(nn.Module):
+    """A ResNet basic block as Flax's ImageNet example writes it: conv-BN-ReLU, conv-BN,
+    a projected shortcut when the shape changes, ``relu(residual + y)``."""
+
+    features: int
+    stride: int = 1
+
+    @nn.compact
+    def __call__(self, x):
+        y = nn.relu(_bn()(nn.Conv(self.features, (3, 3), self.stride, use_bias=False)(x)))
+        y = _bn()(nn.Conv(self.features, (3, 3), use_bias=False)(y))
+        residual = x
+        if residual.shape != y.shape:
+            residual = nn.Conv(self.features, (1, 1), self.stride, use_bias=False)(residual)
+            residual = _bn()(residual)
+        return nn.relu(residual + y)
+
+
+class ResNet(nn.Module):
+    """A small ResNet: stem, basic blocks (``(features, stride)`` each), mean pool, dense."""
+
+    blocks: tuple = ((8, 1), (16, 2), (16, 1))
+    classes: int = 10
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.relu(_bn()(nn.Conv(8, (3, 3), use_bias=False)(x)))
+        for features, stride in self.blocks:
+            x = ResNetBlock(features, stride)(x)
+        return nn.Dense(self.classes)(jnp.mean(x, axis=(1, 2)))
+
+
 # (expansion, features, blocks, first stride) per stage, as MobileNetV2's table.
 MOBILENET_STAGES = ((1, 8, 1, 1), (4, 12, 2, 2), (4, 16, 3, 2), (4, 24, 4, 2), (4, 32, 3, 1))
 # 16 blocks: 49 convolutions and the classifier, 50 layers with weights.

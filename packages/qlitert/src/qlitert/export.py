@@ -232,7 +232,34 @@ def check_kernels(
             f"({', '.join(float_islands) or 'none'}): an op a rule asked to be integer "
             "computes in float"
         )
+    return problems + _dequantized_weights(report)
+
+
+def _dequantized_weights(report: ModelReport) -> list[str]:
+    """A float matmul/convolution whose weight is an integer constant dequantized.
+
+    A float module's weights are float constants; an integer weight dequantized
+    (through layout ops) into a float kernel is a quantized op that
+    litert-converter 0.5.0 left float.
+    """
+    producer = {t: op for op in report.ops for t in op.outputs}
+    problems = []
+    for k, op in enumerate(report.ops):
+        if op.name not in _WEIGHTED or report.op_types(op)[1] != ["FLOAT32"]:
+            continue
+        src = producer.get(op.inputs[1])
+        while src is not None and src.name in ("TRANSPOSE", "RESHAPE"):
+            src = producer.get(src.inputs[0])
+        if src is not None and src.name == "DEQUANTIZE" and src.inputs[0] not in producer:
+            weight = report.tensors[src.inputs[0]].dtype
+            problems.append(
+                f"op {k} {op.name} computes in FLOAT32 with its {weight} weight dequantized: "
+                "a rule asked for an integer kernel"
+            )
     return problems
+
+
+_WEIGHTED = ("FULLY_CONNECTED", "CONV_2D", "DEPTHWISE_CONV_2D", "BATCH_MATMUL")
 
 
 # Ops that convert or only move data: no float arithmetic of their own.

@@ -547,9 +547,10 @@ class Interpreter:
             # convolution output feeding it at the concat's scale (one rounding) and
             # requantizes quantized inputs, which fake quantization of the result
             # after the concat mirrors.
+            # (An add read by the concat and by another op has one output tensor, with
+            # the other reader's parameters: it is quantized before the concat.)
             xs = [
-                x if q.kind == "pending" and not q.inherit else self.materialize(x, q, eqn, name)[0]
-                for x, q in ins
+                x if _raw_into_concat(q) else self.materialize(x, q, eqn, name)[0] for x, q in ins
             ]
             return [self.site(_bind(eqn, xs)[0], eqn, name, types)]
         if name == "integer_pow" and eqn.params["y"] > 2:
@@ -574,6 +575,11 @@ class Interpreter:
             out = _bind(eqn, xs)[0]
             if (name, types.act) in _FIXED_OUTPUT:
                 return [self.fixed_site(out, eqn, name, types.act)]
+            if name in _DEFERRED_ADDS and types.act == "int8":
+                # Quantized where it is read, like a matmul: a ReLU after a residual
+                # add is the ADD's fused activation (litert-converter 0.5.0 fuses it
+                # and gives the ADD the ReLU's parameters).
+                return [(out, Rep("pending", origin=eqn))]
             return [self.site(out, eqn, name, types)]
         return self.unsupported(eqn, ins, f"op {name!r}")
 
@@ -583,14 +589,13 @@ class Interpreter:
         A clamp is ``max``/``min`` of an activation and a constant (ReLU, ReLU6, clip).
 
         A quantized clamp costs no quantization of its own: right after a quantized
-        producer whose site is not placed yet (a matmul, a convolution, an add) it is
-        fused into it (exact on the producer's codes); after a requantization to its
-        type (an int16 LayerNorm read by an int8 ReLU) it keeps the requantized
-        parameters: LiteRT's ``MAXIMUM``/``MINIMUM`` share one scale between input
-        and output, and a ``QUANTIZE`` takes no fused activation. After a float
-        module's op it is quantized after the clamp, as that op's output would be.
-        A float module's clamp is a float op (None).
-        between input and output, and nothing before them takes a fused activation.
+        producer whose site is not placed yet (a matmul, a convolution, an int8 add)
+        it is fused into it (exact on the producer's codes); after any other
+        quantized op, or a requantization to its type (an int16 LayerNorm read by an
+        int8 ReLU), it keeps its input's parameters: LiteRT's ``MAXIMUM``/``MINIMUM``
+        share one scale between input and output, and a ``QUANTIZE`` takes no fused
+        activation. After a float module's op it is quantized after the clamp, as
+        that op's output would be. A float module's clamp is a float op (None).
         """
         kinds = sorted(q.kind for _, q in ins)
         if eqn.primitive.name not in ("max", "min") or kinds not in (
@@ -611,7 +616,7 @@ class Interpreter:
             # output read by a quantized one (the converter fuses it into the
             # float kernel, and one QUANTIZE follows).
             return _bind(eqn, values)[0], Rep("pending", origin=eqn)
-        if q.kind != "q" or types.act == q.qtype:
+        if q.kind != "q":
             return None
         values[i], q = self.materialize(values[i], q, eqn, eqn.primitive.name)
         y = _bind(eqn, values)[0]
@@ -619,7 +624,7 @@ class Interpreter:
             return y, q
         # The same parameters again (exact: the clamp's constant is on the grid), so
         # that the converter sees a quantized output and keeps the op integer.
-        return self.fq(y, q, f"{eqn.primitive.name} (clamped)"), q
+        return self.fq(y, q, f"{eqn.primitive.name} (clamped)@{self.where(eqn)}"), q
 
     def same_shape(self, entry: tuple[Any, Rep], eqn: Any) -> tuple[Any, Rep]:
         """An operand of an int16 ``eqn`` whose kernel takes one shape, broadcast to it.
@@ -1072,6 +1077,20 @@ def _scalar(v: Any) -> jax.Array:
 def _integer(avals: list[Any]) -> bool:
     """Whether all are integer or boolean (indices, masks): never quantized."""
     return all(jnp.issubdtype(v.aval.dtype, jnp.integer) or v.aval.dtype == bool for v in avals)
+
+
+_DEFERRED_ADDS = ("add", "sub")
+
+
+def _raw_into_concat(q: Rep) -> bool:
+    """Whether a pending value enters a concatenate unquantized.
+
+    A matmul/convolution output does: the converter writes it at the concat's
+    scale, one rounding.
+    """
+    if q.kind != "pending" or q.inherit:
+        return False
+    return q.origin is None or q.origin.primitive.name not in _DEFERRED_ADDS
 
 
 def _fence(on: bool) -> Callable[[Any], Any]:
