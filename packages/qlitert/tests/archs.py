@@ -137,3 +137,20 @@ class EncoderBlock(nn.Module):
         h = nn.LayerNorm()(x)
         x = x + nn.MultiHeadDotProductAttention(num_heads=4)(h, h)
         return x + nn.Dense(x.shape[-1])(nn.gelu(nn.Dense(128)(nn.LayerNorm()(x))))
+
+
+def between_dense_layers(activation, x):
+    """``activation`` as module ``act`` between ``Dense(8)`` ``a`` and ``Dense(4)`` ``b``,
+    initialized on ``x``, closed over: the function of its input."""
+
+    class Act(nn.Module):
+        def __call__(self, h):
+            return activation(h)
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, v):
+            return nn.Dense(4, name="b")(Act(name="act")(nn.Dense(8, name="a")(v)))
+
+    params = Net().init(jax.random.key(0), x)
+    return lambda v: Net().apply(params, v)

@@ -5,6 +5,7 @@ import subprocess
 import sys
 import warnings
 
+import archs
 import flax.linen as nn
 import jax
 import numpy as np
@@ -461,20 +462,8 @@ def test_a_float_module_between_int8_dense_layers_computes_in_float(name):
     (LiteRT wants their fixed output scales), tanh became an int8 TANH."""
     activation, kernel = FLOAT_ACTIVATIONS[name]
 
-    class Act(nn.Module):
-        def __call__(self, h):
-            return activation(h)
-
-    class Net(nn.Module):
-        @nn.compact
-        def __call__(self, x):
-            return nn.Dense(4, name="b")(Act(name="act")(nn.Dense(8, name="a")(x)))
-
     x = RNG.normal(size=(4, 8)).astype(np.float32)
-    params = Net().init(jax.random.key(0), x)
-
-    def fn(v):
-        return Net().apply(params, v)
+    fn = archs.between_dense_layers(activation, x)
 
     rules = [qlitert.Rule(module_path="act", act_qtype=None, weight_qtype=None), qlitert.Rule()]
     cal = qlitert.calibrate(fn, [x[:2], x[2:]], rules=rules, strict=False)

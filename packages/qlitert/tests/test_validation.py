@@ -1,5 +1,6 @@
 """Layer-by-layer validation: deep models pass, one wrong op is caught and named."""
 
+import archs
 import flatbuffers
 import jax
 import jax.numpy as jnp
@@ -216,22 +217,8 @@ def test_float_arithmetic_beyond_qlitert_s_float_islands_is_named():
 def test_a_float_module_s_ops_are_not_counted(activation, at_least):
     """Why float modules are exempt from the count: litert-converter 0.5.0 writes one
     float primitive as several ops, and such a model is correct."""
-    import flax.linen as nn  # noqa: PLC0415
-
-    class Act(nn.Module):
-        def __call__(self, h):
-            return activation(h)
-
-    class Net(nn.Module):
-        @nn.compact
-        def __call__(self, x):
-            return nn.Dense(4, name="b")(Act(name="act")(nn.Dense(8, name="a")(x)))
-
     x = np.random.default_rng(1).normal(size=(4, 8)).astype(np.float32)
-    params = Net().init(jax.random.key(0), x)
-
-    def fn(v):
-        return Net().apply(params, v)
+    fn = archs.between_dense_layers(activation, x)
 
     rules = [qlitert.Rule(module_path="act", act_qtype=None, weight_qtype=None), qlitert.Rule()]
     annotated = qlitert.annotate(fn, qlitert.calibrate(fn, [x], rules=rules))

@@ -170,10 +170,10 @@ def check_kernels(
     compute_types: Sequence[str] = INTEGER_TYPES,
     float_islands: Sequence[str] | None = None,
 ) -> list[str]:
-    """Problems with the op types: disallowed types, DEQUANTIZE mid-graph, float islands.
+    """Problems with the op types: disallowed types, DEQUANTIZE mid-graph, stray float ops.
 
-    The problems are: a type not allowed, a DEQUANTIZE mid-graph, or float
-    arithmetic beyond qlitert's float islands.
+    A float matmul or convolution over a dequantized integer weight is a problem
+    too: a rule asked for an integer kernel that the converter left float.
 
     With ``FLOAT32`` allowed (float modules), QUANTIZE / DEQUANTIZE may sit anywhere.
     Integer data entering the quantized graph (``mask.astype(jnp.float32)``: a CAST

@@ -612,9 +612,8 @@ class Interpreter:
         if q.kind == "pending" and not q.inherit:
             return _bind(eqn, values)[0], q
         if q.kind == "float":
-            # After a float module: quantized after the clamp, like a float op's
-            # output read by a quantized one (the converter fuses it into the
-            # float kernel, and one QUANTIZE follows).
+            # After a float module: computed in float, then quantized once, like a
+            # float op's output read by a quantized one.
             return _bind(eqn, values)[0], Rep("pending", origin=eqn)
         if q.kind != "q":
             return None
