@@ -56,11 +56,32 @@ class _MeanAbs:
         return -m, m
 
 
+@dataclasses.dataclass(frozen=True)
+class _NearestRankPercentile:
+    """A qcore calibrator: ``±`` the k-th smallest ``|x|``, ``k = floor(q/100 * n + 1/2)``.
+
+    Brevitas' ``AbsPercentile`` rule (1-indexed nearest rank, no interpolation).
+    """
+
+    q: float
+
+    def __call__(self, x, axes, *, qtype, symmetric=True, narrow_range=False):  # noqa: D102
+        axes = tuple(a % x.ndim for a in axes)
+        kept = [a for a in range(x.ndim) if a not in axes]
+        flat = jnp.abs(jnp.transpose(x, (*kept, *axes)))
+        flat = flat.reshape(*(x.shape[a] for a in kept), -1)
+        n = flat.shape[-1]
+        k = min(max(int(math.floor(0.01 * self.q * n + 0.5)), 1), n)
+        hi = jnp.sort(flat, axis=-1)[..., k - 1]
+        hi = jnp.expand_dims(hi, axes) if axes else hi
+        return -hi, hi
+
+
 def _calibration(spec: QuantSpec) -> Any:
     if spec.stats_op is StatsOp.AVE:
         return _MeanAbs()
     if spec.stats_op is StatsOp.PERCENTILE:
-        return qcore.calibration.Percentile(spec.percentile)
+        return _NearestRankPercentile(spec.percentile)
     return "absmax"
 
 
@@ -109,13 +130,27 @@ def _poison(x: jax.Array, out: jax.Array, scale: jax.Array) -> tuple[jax.Array, 
     return out, jnp.where(bad.reshape(scale.shape), jnp.nan, scale)
 
 
+def _const_shape(spec: QuantSpec) -> tuple[int, ...]:
+    """Brevitas' shape of a constant scale: ``(1,)`` for binary quantizers, else 0-d."""
+    return (1,) if spec.quant_type is QuantType.BINARY else ()
+
+
 def _ceil_ste(x: jax.Array) -> jax.Array:
     return x + jax.lax.stop_gradient(jnp.ceil(x) - x)
 
 
-def to_scale(threshold: jax.Array, spec: QuantSpec, log_domain: bool = False) -> jax.Array:
-    """Scale from a threshold (given as log2 when ``log_domain``)."""
-    if spec.restrict is RestrictValueType.POWER_OF_TWO:
+def to_scale(
+    threshold: jax.Array, spec: QuantSpec, log_domain: bool = False, restrict: bool = True
+) -> jax.Array:
+    """Scale from a threshold (given as log2 when ``log_domain``).
+
+    With ``restrict=False`` a power-of-two quantizer's scale is ``threshold /
+    raw_int_scaling``, not rounded (Brevitas' scale while it collects statistics).
+    """
+    if not restrict:
+        t = jnp.exp2(threshold) if log_domain else threshold
+        scale = jnp.where(t > 0, t, jnp.ones_like(t) * spec.raw_int_scaling) / spec.raw_int_scaling
+    elif spec.restrict is RestrictValueType.POWER_OF_TWO:
         # 2^ceil(log2 t) / int_scaling, int_scaling a power of two (Brevitas' CeilSte).
         log_t = threshold if log_domain else jnp.log2(jnp.maximum(threshold, 1e-30))
         scale = jnp.exp2(_ceil_ste(log_t) - math.log2(spec.int_scaling))
@@ -194,8 +229,9 @@ class QuantProxy(Module):
 
     def _quantize(self, x: jax.Array, scale: jax.Array) -> QuantTensor:
         """``x`` fake-quantized with ``scale`` (NaN blocks where ``x`` is not finite)."""
-        value, scale = _poison(x, _fake_quant(x, scale, self.spec), scale)
-        return self._qt(value, scale)
+        full = scale.reshape((1,) * (x.ndim - scale.ndim) + scale.shape)  # qcore: same rank
+        value, full = _poison(x, _fake_quant(x, full, self.spec), full)
+        return self._qt(value, full.reshape(scale.shape))
 
     def _qt(self, value: jax.Array, scale: jax.Array) -> QuantTensor:
         return QuantTensor(
@@ -305,6 +341,11 @@ class WeightQuantProxy(QuantProxy):
             return t.reshape(shape)
         raise ValueError(f"{self.spec.name}: per-group scales cannot be shared between layers")
 
+    def _he_threshold(self) -> jax.Array:
+        """He's ``sqrt(2 / fan_in)``, averaged over the tracked weights (Brevitas' ``HE``)."""
+        fans = [math.prod(w.shape) // w.shape[c] for w, c, _ in self._weights()]
+        return jnp.asarray(sum(math.sqrt(2.0 / f) for f in fans) / len(fans), jnp.float32)
+
     def init_scale(self) -> None:
         """(Re-)initialises a learned scale from the tracked weights' statistics."""
         weights = self._weights()
@@ -340,12 +381,15 @@ class WeightQuantProxy(QuantProxy):
         """The scale this proxy gives weight ``w`` now."""
         spec = self.spec
         if spec.scaling is ScalingImplType.CONST:
-            return to_scale(jnp.asarray(spec.scaling_value, jnp.float32), spec).reshape(
-                (1,) * w.ndim
-            )
+            t = jnp.asarray(spec.scaling_value, jnp.float32)
+            return to_scale(t, spec).reshape(_const_shape(spec))
+        if spec.scaling is ScalingImplType.HE:
+            return to_scale(self._he_threshold(), spec).reshape(())
         if spec.scaling is ScalingImplType.STATS:
-            return to_scale(self._stat_threshold(w, c, i), spec)
-        return to_scale(self.value, spec, log_domain=_log_param(spec))
+            scale = to_scale(self._stat_threshold(w, c, i), spec)
+        else:
+            scale = to_scale(self.value, spec, log_domain=_log_param(spec))
+        return scale.reshape(()) if spec.per is ScalingPerOutputType.TENSOR else scale
 
     def forward(self, w: jax.Array, channel_axis: int = 0, input_axis: int = 1) -> Any:
         """Returns ``w`` quantized as a QuantTensor (``w`` itself when disabled).
@@ -379,23 +423,60 @@ class ActQuantProxy(QuantProxy):
     def __init__(self, quant: type) -> None:
         super().__init__(quant)
         spec = self.spec
-        if spec.per is not ScalingPerOutputType.TENSOR:
+        if spec.per is ScalingPerOutputType.GROUP:
             raise ValueError(
-                f"act_quant={spec.name}: activation scales are per tensor here; got "
-                f"scaling_per_output_type={spec.per.name}"
+                f"act_quant={spec.name}: activation scales are per tensor or per channel; got "
+                "scaling_per_output_type=GROUP"
+            )
+        if spec.per is ScalingPerOutputType.CHANNEL and spec.channel_shape is None:
+            raise ValueError(
+                f"act_quant={spec.name}: per-channel activation scales need "
+                "per_channel_broadcastable_shape (e.g. (1, C, 1, 1) for NCHW inputs) and "
+                "scaling_stats_permute_dims (e.g. (1, 0, 2, 3)), as in Brevitas"
             )
         if spec.requires_input_scale:
             raise ValueError(f"act_quant={spec.name} is a bias quantizer")
+        if spec.scaling is ScalingImplType.HE:
+            raise ValueError(
+                f"act_quant={spec.name}: scaling_impl_type=HE is for weights (He's "
+                "sqrt(2 / fan_in) needs a weight); Brevitas refuses it on activations too. "
+                "Allowed here: CONST, STATS, PARAMETER, PARAMETER_FROM_STATS"
+            )
         self.calibrating = False
+        shape = self._scale_shape()
         if spec.scaling in (ScalingImplType.STATS, ScalingImplType.PARAMETER_FROM_STATS):
             # 1 until statistics arrive (scale 1/int_scaling, Brevitas' starting point).
-            self.register_buffer("running", jnp.ones((), jnp.float32))
+            self.register_buffer("running", jnp.ones(shape, jnp.float32))
             self.register_buffer("counter", jnp.zeros((), jnp.int32))
         if spec.scaling in (ScalingImplType.PARAMETER, ScalingImplType.PARAMETER_FROM_STATS):
             init = spec.scaling_value if spec.scaling_value is not None else 1.0
             self.value = Parameter(
-                jnp.asarray(math.log2(init) if _log_param(spec) else init, jnp.float32)
+                jnp.full(shape, math.log2(init) if _log_param(spec) else init, jnp.float32)
             )
+        if spec.quant_delay_steps:
+            # Calls left that return the input unquantized (Brevitas counts every call).
+            self.register_buffer("delay", jnp.asarray(spec.quant_delay_steps, jnp.int32))
+
+    def _scale_shape(self) -> tuple[int, ...]:
+        """``()`` per tensor, ``per_channel_broadcastable_shape`` per channel (Brevitas')."""
+        if self.spec.per is ScalingPerOutputType.CHANNEL:
+            assert self.spec.channel_shape is not None  # checked in __init__
+            return self.spec.channel_shape
+        return ()
+
+    def _stat(self, x: jax.Array) -> jax.Array:
+        """The statistic of batch ``x`` in the scale's shape."""
+        shape = self._scale_shape()
+        if not shape:
+            return _threshold(x, self.spec).reshape(())
+        axis = self.spec.channel_axis
+        assert axis is not None
+        if x.ndim != len(shape) or x.shape[axis] != shape[axis]:
+            raise ValueError(
+                f"activation quantizer {self._site()} has per-channel scales of shape {shape} "
+                f"(per_channel_broadcastable_shape); it got an input of shape {x.shape}"
+            )
+        return _threshold(x, self.spec, (axis,)).reshape(shape)
 
     def trace_flags(self) -> tuple:  # noqa: D102
         return (self.enabled, self.calibrating)
@@ -415,12 +496,12 @@ class ActQuantProxy(QuantProxy):
     def _collect(self, x: jax.Array) -> jax.Array:
         """The statistic of batch ``x``, which must be finite when concrete."""
         self._check_batch(x)
-        return _threshold(x, self.spec).reshape(())
+        return self._stat(x)
 
     def start_collection(self) -> None:
         """Starts fresh statistics (used by :func:`qtorchlike.calibration_mode`)."""
         if "running" in self._buffers:
-            self.running = jnp.ones((), jnp.float32)
+            self.running = jnp.ones(self._scale_shape(), jnp.float32)
             self.counter = jnp.zeros((), jnp.int32)
 
     def finish_collection(self) -> None:
@@ -432,6 +513,14 @@ class ActQuantProxy(QuantProxy):
 
     def threshold(self, x: jax.Array | None = None) -> jax.Array:
         """The linear-domain threshold used now (updating statistics when training on ``x``)."""
+        return self._threshold_now(x)[0]
+
+    def _threshold_now(self, x: jax.Array | None) -> tuple[jax.Array, Any]:
+        """The threshold and whether its scale is restricted (False: a collecting batch)."""
+        t = self._threshold_of(x)
+        return t if isinstance(t, tuple) else (t, True)
+
+    def _threshold_of(self, x: jax.Array | None) -> Any:
         spec = self.spec
         if spec.scaling is ScalingImplType.CONST:
             return jnp.asarray(spec.scaling_value, jnp.float32)
@@ -463,22 +552,24 @@ class ActQuantProxy(QuantProxy):
                 self._check_batch(x)
 
             # lax.cond, not jnp.where: the percentile (a sort) runs only while collecting.
+            # A collecting batch's scale is its statistic over raw_int_scaling, not
+            # restricted to a power of two (Brevitas restricts only the learned value).
             def collect(state):
                 running, counter, value = state
-                batch = _threshold(x, spec).reshape(())
+                batch = self._stat(x)
                 running, counter = _running(running, counter, batch, spec.momentum)
                 handover = jnp.log2(running) if log else running
                 value = jnp.where(counter == steps, handover, value)
-                return (running, counter, value), batch
+                return (running, counter, value), batch, jnp.asarray(False)
 
             def learn(state):
-                return state, jnp.exp2(state[2]) if log else state[2]
+                return state, jnp.exp2(state[2]) if log else state[2], jnp.asarray(True)
 
             state = (self.running, self.counter, self.value)
-            (self.running, self.counter, self.value), t = jax.lax.cond(
+            (self.running, self.counter, self.value), t, restricted = jax.lax.cond(
                 self.counter < steps, collect, learn, state
             )
-            return t
+            return t, restricted
         self._warn_if_empty()
         return jnp.where(self.counter < steps, self.running, learned)
 
@@ -507,11 +598,24 @@ class ActQuantProxy(QuantProxy):
         xv = x.value if isinstance(x, QuantTensor) else jnp.asarray(x)
         if not self.enabled:
             return x
-        t = self.threshold(xv)
+        t, restricted = self._threshold_now(xv)
         if self.calibrating:
             return xv  # observe only: the model runs in float during calibration
-        scale = to_scale(t, self.spec).reshape((1,) * xv.ndim)
-        return self._quantize(xv, scale)
+        shape = self._scale_shape()
+        if self.spec.scaling is ScalingImplType.CONST:
+            shape = _const_shape(self.spec)
+        scale = to_scale(t, self.spec).reshape(shape)
+        if restricted is not True:
+            unrestricted = to_scale(t, self.spec, restrict=False).reshape(shape)
+            scale = jnp.where(restricted, scale, unrestricted)
+        out = self._quantize(xv, scale)
+        if "delay" in self._buffers:
+            # Brevitas' DelayWrapper: the first quant_delay_steps calls (in any mode)
+            # pass the input through, with the scale computed all the same.
+            delayed = self.delay > 0
+            out = out._like(jnp.where(delayed, xv, out.value))
+            self.delay = jnp.where(delayed, self.delay - 1, self.delay)
+        return out
 
 
 class BiasQuantProxy(QuantProxy):
@@ -559,7 +663,7 @@ def _running(
         new = (running * n + stat) / (n + 1)
     else:
         new = jnp.where(counter == 0, stat, (1 - momentum) * running + momentum * stat)
-    ok = jnp.isfinite(stat)
+    ok = jnp.all(jnp.isfinite(stat))  # per-channel statistics: the batch counts whole
     return jnp.where(ok, new, running), jnp.where(ok, counter + 1, counter)
 
 

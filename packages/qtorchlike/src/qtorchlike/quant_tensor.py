@@ -172,7 +172,8 @@ class QuantTensor:
     # -- integer view ------------------------------------------------------------------
 
     def _codes(self) -> jax.Array:
-        return self.value / self.scale + self.zero_point
+        n = self.value.ndim
+        return self.value / _lift(self.scale, n) + _lift(self.zero_point, n)
 
     def _bounds(self) -> tuple[float, float]:
         bits = float(self.bit_width)
@@ -250,11 +251,12 @@ class QuantTensor:
                     "(e.g. QuantEltwiseAdd's input_quant, or pass the same act_quant proxy to "
                     "both producing layers), or add the .value arrays as floats"
                 )
-        scale = self.scale if not training else (self.scale + other.scale) / 2
+        n = max(self.scale.ndim, other.scale.ndim, self.zero_point.ndim, other.zero_point.ndim)
+        scale = self.scale if not training else (_lift(self.scale, n) + _lift(other.scale, n)) / 2
         return QuantTensor(
             self.value + other.value,
             scale,
-            self.zero_point + other.zero_point,
+            _lift(self.zero_point, n) + _lift(other.zero_point, n),
             jnp.maximum(self.bit_width, other.bit_width) + 1,
             bool(self.signed or other.signed),
             training,
@@ -278,7 +280,7 @@ class QuantTensor:
         if isinstance(other, QuantTensor) and _zero(self) and _zero(other):
             return QuantTensor(
                 self.value * other.value,
-                self.scale * other.scale,
+                _lift(self.scale, other.scale.ndim) * _lift(other.scale, self.scale.ndim),
                 self.zero_point,
                 self.bit_width + other.bit_width,
                 bool(self.signed or other.signed),
@@ -352,6 +354,15 @@ def _is_number(v: Any) -> bool:
 
 def _value(x: Any) -> Any:
     return x.value if isinstance(x, QuantTensor) else x
+
+
+def _lift(a: jax.Array, ndim: int) -> jax.Array:
+    """``a`` with leading 1-dims up to rank ``ndim`` (NumPy broadcasting, made explicit).
+
+    Scales and zero points keep Brevitas' shapes (0-d per tensor, ``(1,)`` for a
+    constant scale or a layer's zero point); arithmetic with them lifts them first.
+    """
+    return a.reshape((1,) * (ndim - a.ndim) + a.shape) if a.ndim < ndim else a
 
 
 def _zero(x: QuantTensor) -> bool:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 from typing import Any
 
 from qtorchlike import inject
@@ -44,7 +45,9 @@ class QuantType(_StrEnum):
 class ScalingImplType(_StrEnum):
     """Where the scale comes from.
 
-    ``CONST``: ``scaling_const``. ``STATS``: statistics of the tensor, every call
+    ``CONST``: ``scaling_const`` (activations without it: ``max(|min_val|,
+    |max_val|)``). ``HE``: weights only, the constant ``sqrt(2 / fan_in)`` (He's
+    initialisation; averaged over the weights a proxy serves). ``STATS``: statistics of the tensor, every call
     (weights) or running statistics (activations). ``PARAMETER``: a learned
     parameter starting at ``scaling_init``. ``PARAMETER_FROM_STATS``: a learned
     parameter initialised from statistics (weights: at construction and on
@@ -52,6 +55,7 @@ class ScalingImplType(_StrEnum):
     """
 
     CONST = "const"
+    HE = "he"
     STATS = "stats"
     PARAMETER = "parameter"
     PARAMETER_FROM_STATS = "parameter_from_stats"
@@ -96,7 +100,8 @@ ATTRIBUTES = frozenset({
     "requires_input_scale", "restrict_scaling_type", "scaling_const", "scaling_impl",
     "scaling_impl_type", "scaling_init", "scaling_per_output_channel",
     "scaling_per_output_type", "scaling_stats_momentum", "scaling_stats_op", "signed",
-    "tensor_quant", "min_val", "max_val",
+    "tensor_quant", "min_val", "max_val", "per_channel_broadcastable_shape",
+    "scaling_stats_permute_dims", "quant_delay_steps",
 })  # fmt: skip
 
 _FP_TYPES = {(4, 3): "float8_e4m3fn", (5, 2): "float8_e5m2", (2, 1): "float4_e2m1fn"}
@@ -127,7 +132,15 @@ class QuantSpec:
         momentum: Momentum of running statistics (None: cumulative average).
         rounding: qcore rounding mode.
         requires_input_scale: Bias scale is input scale × weight scale.
+        channel_shape: Per-channel activation scales: the scale's shape
+            (``per_channel_broadcastable_shape``, e.g. ``(1, C, 1, 1)``); None otherwise.
+        channel_axis: The axis of ``channel_shape`` that holds the channels.
+        quant_delay_steps: Calls that return the input unquantized before
+            quantization starts (Brevitas' ``DelayWrapper``; 0: none).
         int_scaling: The threshold is divided by this to give the scale.
+        raw_int_scaling: ``int_scaling`` before power-of-two scales round it up
+            (127 for narrow int8); training batches that collect activation
+            statistics divide by it, unrestricted, as Brevitas does.
     """
 
     name: str
@@ -147,7 +160,11 @@ class QuantSpec:
     momentum: float | None
     rounding: str
     requires_input_scale: bool
+    channel_shape: tuple[int, ...] | None
+    channel_axis: int | None
+    quant_delay_steps: int
     int_scaling: float
+    raw_int_scaling: float
 
 
 def _get(q: type, name: str, default: Any = inject._MISSING) -> Any:
@@ -176,6 +193,40 @@ def _int(q: type, name: str, raw: Any, lo: int, hi: int) -> int:
     return raw
 
 
+def _channel_shape(q: type, per: ScalingPerOutputType) -> tuple[Any, Any]:
+    """``per_channel_broadcastable_shape`` and its channel axis, checked (None, None if unset).
+
+    Brevitas takes the statistics of per-channel activations over every axis but
+    the channel one, which ``scaling_stats_permute_dims`` moves first; both must
+    agree with the shape.
+    """
+    if not inject.has(q, "per_channel_broadcastable_shape"):
+        return None, None
+    raw = _get(q, "per_channel_broadcastable_shape")
+    shape = tuple(raw) if isinstance(raw, tuple | list) else None
+    channels = [i for i, n in enumerate(shape or ()) if n != 1]
+    if (
+        shape is None
+        or not all(isinstance(n, int) and n >= 1 for n in shape)
+        or len(channels) > 1
+    ):
+        raise ValueError(
+            f"{q.__name__}.per_channel_broadcastable_shape={raw!r} must be a tuple of "
+            "positive ints with at most one entry above 1 (e.g. (1, C, 1, 1))"
+        )
+    axis = channels[0] if channels else 0
+    perm = _get(q, "scaling_stats_permute_dims", None)
+    if per is ScalingPerOutputType.CHANNEL and perm is not None:
+        perm = tuple(perm) if isinstance(perm, tuple | list) else perm
+        if perm != (axis, *(i for i in range(len(shape)) if i != axis)):
+            raise ValueError(
+                f"{q.__name__}.scaling_stats_permute_dims={perm!r} must move the channel axis "
+                f"{axis} of per_channel_broadcastable_shape={shape} first, keeping the others "
+                "in order"
+            )
+    return shape, axis
+
+
 def solve(q: type) -> QuantSpec:
     """Resolves quantizer class ``q`` into a :class:`QuantSpec`.
 
@@ -198,9 +249,9 @@ def solve(q: type) -> QuantSpec:
         # Brevitas leaves a binary quantizer's sign unset unless `signed` is given,
         # and its QuantTensors are then not valid; the walkthrough sets signed=True.
         signed = bool(_get(q, "signed")) if inject.has(q, "signed") else None
-        bits, qtype, int_scaling, narrow = 1, "int1", 1.0, False
+        bits, qtype, raw_int_scaling, narrow = 1, "int1", 1.0, False
     elif quant_type is QuantType.TERNARY:
-        bits, qtype, int_scaling, signed, narrow = 2, "int2", 1.0, True, True
+        bits, qtype, raw_int_scaling, signed, narrow = 2, "int2", 1.0, True, True
     elif quant_type is QuantType.FP:
         e = _int(q, "exponent_bit_width", _get(q, "exponent_bit_width"), 1, 8)
         m = _int(q, "mantissa_bit_width", _get(q, "mantissa_bit_width"), 0, 7)
@@ -210,7 +261,7 @@ def solve(q: type) -> QuantSpec:
                 f"minifloat; allowed (exponent, mantissa): {sorted(_FP_TYPES)}"
             )
         qtype = _FP_TYPES[e, m]
-        bits, int_scaling, signed, narrow = 1 + e + m, _FP_MAX[qtype], True, False
+        bits, raw_int_scaling, signed, narrow = 1 + e + m, _FP_MAX[qtype], True, False
     else:
         bits = _int(q, "bit_width", _get(q, "bit_width"), 2, 32)
         if bits > 8 and bits != 16 and not _get(q, "requires_input_scale", False):
@@ -221,30 +272,42 @@ def solve(q: type) -> QuantSpec:
         qtype = f"{'int' if signed else 'uint'}{bits}"
         # Brevitas' IntScaling: a signed threshold maps to -min_int (2^(b-1), or
         # 2^(b-1) - 1 when narrow), an unsigned one to max_int (2^b - 1, or 2^b - 2
-        # when narrow). Power-of-two scales divide by 2^(b-1) (2^b unsigned) whatever
-        # the range, so the scale stays a power of two.
-        restrict = _get(q, "restrict_scaling_type", RestrictValueType.FP)
-        if RestrictValueType.parse(restrict, f"{name}.restrict") is RestrictValueType.POWER_OF_TWO:
-            int_scaling = float(2 ** (bits - 1) if signed else 2**bits)
-        else:
-            int_scaling = float(2 ** (bits - 1) - narrow if signed else 2**bits - 1 - narrow)
+        # when narrow). Power-of-two scales divide by that rounded up to a power of two
+        # (2^(b-1), 2^b unsigned), so the scale stays a power of two.
+        raw_int_scaling = float(2 ** (bits - 1) - narrow if signed else 2**bits - 1 - narrow)
+    restrict = RestrictValueType.parse(
+        _get(q, "restrict_scaling_type", RestrictValueType.FP), f"{name}.restrict_scaling_type"
+    )
+    int_scaling = raw_int_scaling
+    if quant_type is QuantType.INT and restrict is RestrictValueType.POWER_OF_TWO:
+        int_scaling = float(2 ** math.ceil(math.log2(raw_int_scaling)))
     scaling = _marked(q, "scaling_impl", "scaling_impl_type")
     scaling = ScalingImplType.parse(scaling, f"{name}.scaling_impl_type")
     scaling_value = None
     if scaling is ScalingImplType.CONST:
-        scaling_value = float(_get(q, "scaling_const"))
+        if inject.has(q, "scaling_const") or not inject.has(q, "max_val"):
+            scaling_value = float(_get(q, "scaling_const"))
+        else:  # Brevitas' activations: the larger bound (QuantReLU(max_val=6, ...))
+            low = _get(q, "min_val", None)
+            scaling_value = max(abs(float(low or 0.0)), abs(float(_get(q, "max_val"))))
     elif scaling is ScalingImplType.PARAMETER:
         scaling_value = float(_get(q, "scaling_init"))
     if scaling_value is not None and not scaling_value > 0:
         raise ValueError(f"{name}: the scaling constant/init {scaling_value!r} must be > 0")
+    # Brevitas' rule: the boolean scaling_per_output_channel, when set, wins over
+    # scaling_per_output_type (so weight_scaling_per_output_channel=True on a per-tensor
+    # quantizer makes it per channel).
+    per_channel = _get(q, "scaling_per_output_channel", None)
     per_raw = _get(q, "scaling_per_output_type", None)
-    if per_raw is None:
-        per_channel = bool(_get(q, "scaling_per_output_channel", False))
+    if per_channel is not None:
         per_raw = ScalingPerOutputType.CHANNEL if per_channel else ScalingPerOutputType.TENSOR
+    elif per_raw is None:
+        per_raw = ScalingPerOutputType.TENSOR
     per = ScalingPerOutputType.parse(per_raw, f"{name}.scaling_per_output_type")
     group_size = None
     if per is ScalingPerOutputType.GROUP:
         group_size = _int(q, "group_size", _get(q, "group_size"), 1, 1 << 20)
+    channel_shape, channel_axis = _channel_shape(q, per)
     momentum = _get(q, "scaling_stats_momentum", None)
     if momentum is not None and not 0 < momentum <= 1:
         raise ValueError(f"{name}.scaling_stats_momentum={momentum!r} must be in (0, 1] or None")
@@ -267,9 +330,7 @@ def solve(q: type) -> QuantSpec:
         percentile=percentile,
         per=per,
         group_size=group_size,
-        restrict=RestrictValueType.parse(
-            _get(q, "restrict_scaling_type", RestrictValueType.FP), f"{name}.restrict"
-        ),
+        restrict=restrict,
         collect_stats_steps=_int(
             q, "collect_stats_steps", _get(q, "collect_stats_steps", 0), 0, 1 << 30
         ),
@@ -278,5 +339,11 @@ def solve(q: type) -> QuantSpec:
         if rounding is FloatToIntImplType.STOCHASTIC_ROUND
         else "nearest_even",
         requires_input_scale=bool(_get(q, "requires_input_scale", False)),
+        channel_shape=channel_shape,
+        channel_axis=channel_axis,
+        quant_delay_steps=_int(
+            q, "quant_delay_steps", _get(q, "quant_delay_steps", None) or 0, 0, 1 << 30
+        ),
         int_scaling=int_scaling,
+        raw_int_scaling=raw_int_scaling,
     )

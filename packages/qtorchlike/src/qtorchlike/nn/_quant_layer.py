@@ -338,7 +338,7 @@ class QuantWBIOL(Module):
             scale = jnp.broadcast_to(scale, (n,)) if scale.size != 1 else scale
             scale = scale.reshape(self._channel_shape(y.ndim, scale.size))
             bits = acc_bit_width(xq.bit_width, wq.bit_width, fan_in(self.weight.shape))
-            zp = jnp.zeros((), y.dtype)
+            zp = jnp.zeros((1,), y.dtype)  # Brevitas' shape for a layer's zero point
             if isinstance(bq, QuantTensor) and spec_of(self.bias_quant).requires_input_scale:
                 bits = jnp.maximum(bits, bq.bit_width) + 1
             elif bq is not None:

@@ -1,0 +1,122 @@
+"""Brevitas 0.13.4's rules that qtorchlike follows, each checked against a float64 reference.
+
+The numbers themselves are compared with real Brevitas' recorded outputs in
+test_brevitas_parity.py; these tests pin each rule on its own so a failure says which.
+"""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from reference import nearest_rank
+
+import qtorchlike.nn as qnn
+from qtorchlike.quant import (
+    Int8ActPerTensorFixedPoint,
+    Int8ActPerTensorFloat,
+    Int8WeightPerTensorFloat,
+    SignedBinaryWeightPerTensorConst,
+    Uint8ActPerTensorFixedPoint,
+)
+
+RNG = np.random.default_rng(22)
+X = RNG.normal(size=(4, 3, 6, 6)).astype(np.float32)
+
+
+def test_weight_scaling_per_output_channel_true_makes_a_per_tensor_quantizer_per_channel():
+    # Brevitas: the boolean wins over the mixin's scaling_per_output_type.
+    conv = qnn.QuantConv2d(
+        3, 5, 3, weight_quant=Int8WeightPerTensorFloat, weight_scaling_per_output_channel=True
+    )
+    w = np.asarray(conv.weight, np.float64)
+    want = np.abs(w).reshape(5, -1).max(axis=1).reshape(5, 1, 1, 1) / 127
+    np.testing.assert_allclose(np.asarray(conv.quant_weight().scale), want, rtol=1e-6)
+
+
+def test_scaling_per_output_channel_false_makes_a_per_channel_quantizer_per_tensor():
+    lin = qnn.QuantLinear(6, 4, weight_scaling_per_output_channel=False)
+    scale = lin.quant_weight().scale
+    assert scale.shape == ()
+    np.testing.assert_allclose(float(scale), np.abs(np.asarray(lin.weight)).max() / 127, rtol=1e-6)
+
+
+def test_per_channel_activation_scales_take_each_channels_percentile():
+    ident = qnn.QuantIdentity(
+        scaling_per_output_channel=True,
+        per_channel_broadcastable_shape=(1, 3, 1, 1),
+        scaling_stats_permute_dims=(1, 0, 2, 3),
+        return_quant_tensor=True,
+    )
+    out = ident(jnp.asarray(X))
+    want = np.array([nearest_rank(X[:, c]) for c in range(3)]).reshape(1, 3, 1, 1) / 128
+    np.testing.assert_allclose(np.asarray(out.scale), want, rtol=1e-6)
+    codes = np.clip(np.round(X / want), -128, 127)
+    np.testing.assert_allclose(np.asarray(out.value), codes * want, rtol=1e-6, atol=1e-7)
+
+
+def test_per_channel_activation_scaling_without_its_shape_is_refused():
+    with pytest.raises(ValueError, match="per_channel_broadcastable_shape"):
+        qnn.QuantIdentity(scaling_per_output_channel=True)
+    with pytest.raises(ValueError, match="scaling_stats_permute_dims"):
+        qnn.QuantIdentity(
+            scaling_per_output_channel=True,
+            per_channel_broadcastable_shape=(1, 3, 1, 1),
+            scaling_stats_permute_dims=(0, 1, 2, 3),
+        )
+
+
+def test_per_channel_activation_on_an_input_of_another_shape_names_both_shapes():
+    ident = qnn.QuantIdentity(
+        scaling_per_output_channel=True, per_channel_broadcastable_shape=(1, 4, 1, 1)
+    )
+    with pytest.raises(ValueError, match=r"\(1, 4, 1, 1\).*\(4, 3, 6, 6\)"):
+        ident(jnp.asarray(X))
+
+
+@pytest.mark.parametrize(
+    "quant, raw", [(Int8ActPerTensorFixedPoint, 128), (Uint8ActPerTensorFixedPoint, 255)]
+)
+def test_fixed_point_activation_scale_is_not_a_power_of_two_while_collecting(quant, raw):
+    # Brevitas restricts only the learned value: a collecting batch's scale is its
+    # statistic over the unrounded integer range.
+    ident = qnn.QuantIdentity(act_quant=quant, collect_stats_steps=2, return_quant_tensor=True)
+    x = np.abs(X) if raw == 255 else X
+    first = ident(jnp.asarray(x))
+    np.testing.assert_allclose(float(first.scale), nearest_rank(x) / raw, rtol=1e-6)
+    ident(jnp.asarray(x))
+    learned = float(ident(jnp.asarray(x)).scale)  # the learned value: a power of two
+    assert learned == 2.0 ** np.ceil(np.log2(nearest_rank(x))) / (128 if raw == 128 else 256)
+
+
+def test_scale_and_zero_point_shapes_are_brevitas():
+    conv = qnn.QuantConv2d(
+        3, 4, 3, bias=False, input_quant=Int8ActPerTensorFloat, return_quant_tensor=True
+    )
+    lin = qnn.QuantLinear(3, 4, weight_quant=SignedBinaryWeightPerTensorConst)
+    y = conv(jnp.asarray(X))
+    assert conv.quant_weight().scale.shape == ()  # per tensor: 0-d
+    assert lin.quant_weight().scale.shape == (1,)  # a binary constant: (1,)
+    assert conv.input_quant(jnp.asarray(X)).scale.shape == ()
+    assert (y.scale.shape, y.zero_point.shape) == ((1, 1, 1, 1), (1,))
+
+
+def test_quant_delay_steps_passes_the_first_calls_through():
+    ident = qnn.QuantIdentity(quant_delay_steps=2, return_quant_tensor=True)
+    outs = [ident(jnp.asarray(X)) for _ in range(3)]
+    np.testing.assert_array_equal(np.asarray(outs[0].value), X)
+    np.testing.assert_array_equal(np.asarray(outs[1].value), X)
+    assert not np.array_equal(np.asarray(outs[2].value), X)
+    assert outs[2].is_valid
+
+
+def test_const_scaling_from_max_val():
+    relu = qnn.QuantReLU(max_val=6.0, scaling_impl_type="CONST", return_quant_tensor=True)
+    y = relu(jnp.asarray(X * 4))
+    assert float(y.scale) == np.float32(6.0 / 255)
+    assert float(y.value.max()) == pytest.approx(6.0, rel=1e-6)
+
+
+def test_he_scaling_for_weights_and_refused_for_activations():
+    conv = qnn.QuantConv2d(3, 4, 3, weight_scaling_impl_type="HE")
+    np.testing.assert_allclose(float(conv.quant_weight().scale), np.sqrt(2 / 27) / 127, rtol=1e-6)
+    with pytest.raises(ValueError, match="HE is for weights"):
+        qnn.QuantReLU(scaling_impl_type="HE")
