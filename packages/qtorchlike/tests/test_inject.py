@@ -102,7 +102,7 @@ def test_strings_and_markers_resolve_like_enums():
     [
         (
             {"scaling_impl_type": "magic"},
-            "scaling_impl_type='magic' is not a ScalingImplType; allowed: CONST, STATS",
+            "scaling_impl_type='magic' is not a ScalingImplType; allowed: CONST, HE, STATS",
         ),
         ({"bit_width": 0}, "bit_width=0 must be an int in \\[2, 32\\]"),
         ({"bit_width": 12}, "bit_width=12: weight and activation codes have 2-8 or 16 bits"),

@@ -24,6 +24,7 @@ from qtorchlike import QuantTensor, export, optim
 from qtorchlike import functional as F
 from qtorchlike.export import export_tflite, integer_state_dict
 from qtorchlike.func import functional_call, train_step
+from qtorchlike.inject import DependencyError
 from qtorchlike.quant import (
     Int4WeightPerGroupFloat,
     Int8ActPerTensorFixedPoint,
@@ -226,8 +227,8 @@ CONSTRUCTORS = {
     ),
     "act_quant per channel": (
         lambda: qnn.QuantReLU(act_quant=Int8WeightPerChannelFloat),
-        ValueError,
-        ("act_quant=Int8WeightPerChannelFloat", "per tensor"),
+        DependencyError,
+        ("act_quant=Int8WeightPerChannelFloat", "per_channel_broadcastable_shape"),
     ),
     "scaling_impl_type banana": (
         lambda: qnn.QuantLinear(3, 2, weight_scaling_impl_type="banana", key=_key()),

@@ -33,7 +33,8 @@ from jax.core import Tracer
 
 import qcore
 from qcore import numerics
-from qtorchlike import random
+from qtorchlike import inject, random
+from qtorchlike._errors import MissingInputScaleError
 from qtorchlike.nn.module import Module, Parameter, path_of
 from qtorchlike.quant_tensor import QuantTensor
 from qtorchlike.solver import (
@@ -131,7 +132,10 @@ def _poison(x: jax.Array, out: jax.Array, scale: jax.Array) -> tuple[jax.Array, 
 
 
 def _const_shape(spec: QuantSpec) -> tuple[int, ...]:
-    """Brevitas' shape of a constant scale: ``(1,)`` for binary quantizers, else 0-d."""
+    """Brevitas' shape of a per-tensor scale: ``(1,)`` for binary quantizers, else 0-d.
+
+    (Brevitas' binary quantizers divide their scale by a ``(1,)`` threshold.)
+    """
     return (1,) if spec.quant_type is QuantType.BINARY else ()
 
 
@@ -145,19 +149,17 @@ def to_scale(
     """Scale from a threshold (given as log2 when ``log_domain``).
 
     With ``restrict=False`` a power-of-two quantizer's scale is ``threshold /
-    raw_int_scaling``, not rounded (Brevitas' scale while it collects statistics).
+    int_scaling``, the threshold not rounded (Brevitas' scale while it collects
+    statistics).
     """
-    if not restrict:
-        t = jnp.exp2(threshold) if log_domain else threshold
-        scale = jnp.where(t > 0, t, jnp.ones_like(t) * spec.raw_int_scaling) / spec.raw_int_scaling
-    elif spec.restrict is RestrictValueType.POWER_OF_TWO:
-        # 2^ceil(log2 t) / int_scaling, int_scaling a power of two (Brevitas' CeilSte).
-        log_t = threshold if log_domain else jnp.log2(jnp.maximum(threshold, 1e-30))
-        scale = jnp.exp2(_ceil_ste(log_t) - math.log2(spec.int_scaling))
-    else:
+    if not restrict or spec.restrict is not RestrictValueType.POWER_OF_TWO:
         t = jnp.exp2(threshold) if log_domain else threshold
         # An all-zero block gives threshold 0: fall back to scale 1 (qcore's rule).
         scale = jnp.where(t > 0, t, jnp.ones_like(t) * spec.int_scaling) / spec.int_scaling
+    else:
+        # 2^ceil(log2 t) / int_scaling, int_scaling a power of two (Brevitas' CeilSte).
+        log_t = threshold if log_domain else jnp.log2(jnp.maximum(threshold, 1e-30))
+        scale = jnp.exp2(_ceil_ste(log_t) - math.log2(spec.int_scaling))
     # A non-finite threshold (statistics of a NaN or inf block under jax.jit) gives a
     # NaN scale, never a finite fallback.
     return jnp.where(jnp.isfinite(threshold), scale, jnp.nan)
@@ -169,6 +171,12 @@ def _log_param(spec: QuantSpec) -> bool:
 
 def _fake_quant(x: jax.Array, scale: jax.Array, spec: QuantSpec) -> jax.Array:
     key = random.next_key() if spec.rounding == "stochastic" else None
+    if spec.clamped:  # ClampedBinaryQuant: same values, no gradient beyond the scale
+        x = jnp.clip(x, -scale, scale)
+    if spec.quant_type is QuantType.TERNARY and spec.threshold != 0.5:
+        # Brevitas' TernaryQuant: sign(x) where |x| > threshold * scale (0.5 is rounding).
+        sign = x + jax.lax.stop_gradient(jnp.sign(x) - x)  # straight-through
+        return jnp.where(jnp.abs(x) > spec.threshold * scale, sign, 0.0 * x) * scale
     if spec.bit_width > 16:  # wide biases: no qcore type, plain round-and-clip
         lo, hi = -(2.0 ** (spec.bit_width - 1)), 2.0 ** (spec.bit_width - 1) - 1
         return numerics.saturate(numerics.round_ste(x / scale), lo, hi) * scale
@@ -187,11 +195,37 @@ class QuantProxy(Module):
 
     is_quantizer = True  # its state may be missing from float checkpoints
 
-    def __init__(self, quant: type) -> None:
+    def __init__(self, quant: type | None, module: Any = None) -> None:
         super().__init__()
         self.quant = quant
-        self.spec = solve(quant)
-        self.enabled = True
+        # ``module`` (the layer, or the tuple of layers a shared proxy serves) is what
+        # a quantizer's @value functions receive when they ask for ``module``.
+        spec = (
+            None if quant is None else solve(quant if module is None else quant.let(module=module))
+        )
+        self.spec: Any = spec
+        self.enabled = quant is not None
+
+    @property
+    def is_quant_enabled(self) -> bool:
+        """Whether this proxy quantizes: it has a quantizer and is not disabled.
+
+        A layer given no quantizer (``bias_quant=None``) holds a proxy for which
+        this is False, as in Brevitas.
+        """
+        return self.spec is not None and bool(self.enabled)
+
+    def bit_width(self) -> jax.Array | None:
+        """The codes' bit width (None when not quantizing)."""
+        if not self.is_quant_enabled:
+            return None
+        return jnp.asarray(float(self.spec.bit_width), jnp.float32)
+
+    def zero_point(self) -> jax.Array | None:
+        """The zero point (0-d zero; None when not quantizing)."""
+        if not self.is_quant_enabled:
+            return None
+        return jnp.zeros((), jnp.float32)
 
     def trace_flags(self) -> tuple:
         """Python-level switches a jitted trace depends on."""
@@ -225,7 +259,8 @@ class QuantProxy(Module):
         """``'<dotted name>' (<quantizer> of <layer type>)``, for error messages."""
         owner = _owner(self)
         of = f" of {type(owner).__name__}" if owner is not None else ""
-        return f"{path_of(self)!r} ({self.spec.name}{of})"
+        name = self.spec.name if self.spec is not None else "no quantizer"
+        return f"{path_of(self)!r} ({name}{of})"
 
     def _quantize(self, x: jax.Array, scale: jax.Array) -> QuantTensor:
         """``x`` fake-quantized with ``scale`` (NaN blocks where ``x`` is not finite)."""
@@ -245,6 +280,8 @@ class QuantProxy(Module):
 
     def extra_repr(self) -> str:
         s = self.spec
+        if s is None:
+            return "no quantizer"
         return f"{s.name}: {s.qtype}, {s.scaling.value} scaling, per {s.per.value}"
 
 
@@ -278,14 +315,18 @@ class WeightQuantProxy(QuantProxy):
         input_axis: The input-channel axis (groups run along it).
     """
 
-    def __init__(self, quant: type, layer: Module, channel_axis: int = 0, input_axis: int = 1):
-        super().__init__(quant)
+    def __init__(
+        self, quant: type | None, layer: Module, channel_axis: int = 0, input_axis: int = 1
+    ):
+        super().__init__(quant, layer)
+        self._tracked: list[tuple[weakref.ref, int, int]] = []
+        if self.spec is None:
+            return
         if self.spec.requires_input_scale:
             raise ValueError(
                 f"weight_quant={self.spec.name} needs an input scale (it is a bias "
                 "quantizer); use e.g. Int8WeightPerTensorFloat"
             )
-        self._tracked: list[tuple[weakref.ref, int, int]] = []
         self.track(layer, channel_axis, input_axis)
 
     def track(self, layer: Module, channel_axis: int = 0, input_axis: int = 1) -> None:
@@ -346,19 +387,44 @@ class WeightQuantProxy(QuantProxy):
         fans = [math.prod(w.shape) // w.shape[c] for w, c, _ in self._weights()]
         return jnp.asarray(sum(math.sqrt(2.0 / f) for f in fans) / len(fans), jnp.float32)
 
+    def _layers(self) -> list[Module]:
+        return [m for m in (ref() for ref, *_ in self._tracked) if m is not None]
+
+    def _scaling_init(self, shape: tuple[int, ...]) -> jax.Array:
+        """``scaling_init`` resolved now, with ``module`` the layer (a tuple when shared)."""
+        layers = self._layers()
+        module = layers[0] if len(layers) == 1 else tuple(layers)
+        quant: Any = self.quant  # set: only proxies with a quantizer initialise scales
+        init = jnp.asarray(inject.resolve(quant.let(module=module), "scaling_init"))
+        try:
+            return jnp.broadcast_to(init.astype(jnp.float32), shape)
+        except ValueError as e:
+            raise ValueError(
+                f"{self.spec.name}.scaling_init of shape {init.shape} does not fit the scale's "
+                f"shape {shape}"
+            ) from e
+
     def init_scale(self) -> None:
-        """(Re-)initialises a learned scale from the tracked weights' statistics."""
+        """(Re-)initialises a learned scale from the tracked weights (``init_tensor_quant``).
+
+        Statistics-based scales take the weights' statistic again; ``PARAMETER``
+        scales take ``scaling_init`` again, resolved with the current weights (so
+        ``@value def scaling_init(module): ...`` sees them).
+        """
         weights = self._weights()
         if not weights:
             return
         w, c, i = weights[0]
+        per_tensor = self.spec.per is ScalingPerOutputType.TENSOR
         if self.spec.scaling is ScalingImplType.PARAMETER:
             shape = [1] * w.ndim
-            if self.spec.per is not ScalingPerOutputType.TENSOR:
+            if not per_tensor:
                 shape[c] = w.shape[c]
-            t = jnp.full(shape, float(self.spec.scaling_value or 1.0), jnp.float32)
+            t = self._scaling_init(tuple(shape))
         else:
             t = self._stat_threshold(w, c, i)
+        if per_tensor:
+            t = t.reshape(())  # Brevitas' 0-d per-tensor scale
         value = jnp.log2(jnp.maximum(t, 1e-30)) if _log_param(self.spec) else t
         if "value" in self._parameters:
             self.value = value
@@ -369,10 +435,13 @@ class WeightQuantProxy(QuantProxy):
         from qtorchlike import config
 
         # New float weights arrived but no stored scale: re-initialise it (Brevitas'
-        # REINIT_ON_STATE_DICT_LOAD); a loaded scale is kept as is.
+        # REINIT_ON_STATE_DICT_LOAD), from statistics or from scaling_init resolved
+        # with the loaded weights; a loaded scale is kept as is.
+        learned = (ScalingImplType.PARAMETER_FROM_STATS, ScalingImplType.PARAMETER)
         if (
             config.REINIT_ON_STATE_DICT_LOAD
-            and self.spec.scaling is ScalingImplType.PARAMETER_FROM_STATS
+            and self.is_quant_enabled
+            and self.spec.scaling in learned
             and "value" not in loaded
         ):
             self.init_scale()
@@ -389,7 +458,9 @@ class WeightQuantProxy(QuantProxy):
             scale = to_scale(self._stat_threshold(w, c, i), spec)
         else:
             scale = to_scale(self.value, spec, log_domain=_log_param(spec))
-        return scale.reshape(()) if spec.per is ScalingPerOutputType.TENSOR else scale
+        return (
+            scale.reshape(_const_shape(spec)) if spec.per is ScalingPerOutputType.TENSOR else scale
+        )
 
     def forward(self, w: jax.Array, channel_axis: int = 0, input_axis: int = 1) -> Any:
         """Returns ``w`` quantized as a QuantTensor (``w`` itself when disabled).
@@ -398,7 +469,7 @@ class WeightQuantProxy(QuantProxy):
             ValueError: If ``w`` is concrete and holds NaN or ±inf (the message names
                 the parameter). Under ``jax.jit`` such a block's scale is NaN instead.
         """
-        if not self.enabled:
+        if not self.is_quant_enabled:
             return w
         layers = (ref() for ref, *_ in self._tracked)
         layer = next(
@@ -407,6 +478,22 @@ class WeightQuantProxy(QuantProxy):
         _check_param(layer, "weight", w)
         scale = self.scale_for(w, channel_axis, input_axis)
         return self._quantize(w, scale)
+
+    def scale(self) -> jax.Array | None:
+        """The scale of the (first) weight it serves, as ``quant_weight()`` gives it.
+
+        None when not quantizing.
+        """
+        if not self.is_quant_enabled:
+            return None
+        weights = self._weights()
+        if not weights:
+            raise RuntimeError(f"weight quantizer {self._site()} serves no layer with a weight")
+        return self.scale_for(*weights[0])
+
+    def init_tensor_quant(self) -> None:
+        """Brevitas' name for :meth:`init_scale`."""
+        self.init_scale()
 
 
 class ActQuantProxy(QuantProxy):
@@ -420,16 +507,19 @@ class ActQuantProxy(QuantProxy):
     (``jnp.where`` on ``counter``), so it runs under ``jax.jit``.
     """
 
-    def __init__(self, quant: type) -> None:
+    def __init__(self, quant: type | None) -> None:
         super().__init__(quant)
+        self.calibrating = False
         spec = self.spec
+        if spec is None:
+            return
         if spec.per is ScalingPerOutputType.GROUP:
             raise ValueError(
                 f"act_quant={spec.name}: activation scales are per tensor or per channel; got "
                 "scaling_per_output_type=GROUP"
             )
         if spec.per is ScalingPerOutputType.CHANNEL and spec.channel_shape is None:
-            raise ValueError(
+            raise inject.DependencyError(
                 f"act_quant={spec.name}: per-channel activation scales need "
                 "per_channel_broadcastable_shape (e.g. (1, C, 1, 1) for NCHW inputs) and "
                 "scaling_stats_permute_dims (e.g. (1, 0, 2, 3)), as in Brevitas"
@@ -442,7 +532,6 @@ class ActQuantProxy(QuantProxy):
                 "sqrt(2 / fan_in) needs a weight); Brevitas refuses it on activations too. "
                 "Allowed here: CONST, STATS, PARAMETER, PARAMETER_FROM_STATS"
             )
-        self.calibrating = False
         shape = self._scale_shape()
         if spec.scaling in (ScalingImplType.STATS, ScalingImplType.PARAMETER_FROM_STATS):
             # 1 until statistics arrive (scale 1/int_scaling, Brevitas' starting point).
@@ -573,6 +662,16 @@ class ActQuantProxy(QuantProxy):
         self._warn_if_empty()
         return jnp.where(self.counter < steps, self.running, learned)
 
+    def scale(self) -> jax.Array | None:
+        """The scale an eval-mode call would use now (statistics are not updated).
+
+        None when not quantizing.
+        """
+        if not self.is_quant_enabled:
+            return None
+        shape = self._scale_shape() or _const_shape(self.spec)
+        return to_scale(self._threshold_of(None), self.spec).reshape(shape)
+
     def _warn_if_empty(self) -> None:
         # Brevitas silently uses scale 1/128 here; say what is going on instead.
         counter = self.counter
@@ -596,14 +695,12 @@ class ActQuantProxy(QuantProxy):
                 batch is left out of the running statistics instead.
         """
         xv = x.value if isinstance(x, QuantTensor) else jnp.asarray(x)
-        if not self.enabled:
+        if not self.is_quant_enabled:
             return x
         t, restricted = self._threshold_now(xv)
         if self.calibrating:
             return xv  # observe only: the model runs in float during calibration
-        shape = self._scale_shape()
-        if self.spec.scaling is ScalingImplType.CONST:
-            shape = _const_shape(self.spec)
+        shape = self._scale_shape() or _const_shape(self.spec)
         scale = to_scale(t, self.spec).reshape(shape)
         if restricted is not True:
             unrestricted = to_scale(t, self.spec, restrict=False).reshape(shape)
@@ -621,6 +718,12 @@ class ActQuantProxy(QuantProxy):
 class BiasQuantProxy(QuantProxy):
     """Quantizes biases; with ``requires_input_scale`` the scale is input × weight scale."""
 
+    def scale(self) -> jax.Array | None:
+        """The scale of a constant bias quantizer; None otherwise (it depends on the call)."""
+        if not self.is_quant_enabled or self.spec.scaling is not ScalingImplType.CONST:
+            return None
+        return to_scale(jnp.asarray(self.spec.scaling_value, jnp.float32), self.spec).reshape(1)
+
     def forward(self, bias: jax.Array, input_scale: Any = None, weight_scale: Any = None) -> Any:
         """Returns ``bias`` quantized (a QuantTensor) or ``bias`` when disabled.
 
@@ -629,13 +732,13 @@ class BiasQuantProxy(QuantProxy):
                 not quantized (give the layer an ``input_quant``), or if a concrete
                 ``bias`` holds NaN or ±inf (the message names the parameter).
         """
-        if not self.enabled:
+        if not self.is_quant_enabled:
             return bias
         _check_param(_owner(self), "bias", bias)
         spec = self.spec
         if spec.requires_input_scale:
             if input_scale is None or weight_scale is None:
-                raise ValueError(
+                raise MissingInputScaleError(
                     f"bias_quant={spec.name} needs the input's scale (bias scale = input "
                     "scale x weight scale) but the layer's input is not a QuantTensor: set "
                     "input_quant=... on the layer, feed it a QuantTensor, or use a bias "
@@ -671,6 +774,17 @@ def scale_threshold(proxy: WeightQuantProxy) -> np.ndarray:
     """The linear-domain threshold of a learned weight scale (``max|w|`` at init)."""
     value = np.asarray(proxy.value, np.float64)
     return np.exp2(value) if _log_param(proxy.spec) else value
+
+
+def has_quant(proxy: QuantProxy | None) -> bool:
+    """Whether ``proxy`` has a quantizer (a layer given none holds a disabled proxy)."""
+    return proxy is not None and proxy.spec is not None
+
+
+# Brevitas' class names.
+WeightQuantProxyFromInjector = WeightQuantProxy
+ActQuantProxyFromInjector = ActQuantProxy
+BiasQuantProxyFromInjector = BiasQuantProxy
 
 
 def is_quant(spec: QuantSpec) -> bool:

@@ -36,7 +36,7 @@ import numpy as np
 from jax import extend as jex
 from jax import lax
 
-from qtorchlike._proxy import ActQuantProxy, WeightQuantProxy, to_scale
+from qtorchlike._proxy import ActQuantProxy, WeightQuantProxy, has_quant, to_scale
 from qtorchlike._switches import Switches, check_model, proxies
 from qtorchlike.func import functional_call
 from qtorchlike.nn._quant_layer import QuantWBIOL
@@ -70,7 +70,7 @@ def _capture_biases(model: Module, args: tuple) -> dict[str, QuantTensor]:
         for n, m in model.named_modules()
         if isinstance(m, QuantWBIOL)
         and m.bias is not None
-        and m.bias_quant is not None
+        and has_quant(m.bias_quant)
         and m.bias_quant.enabled
     }
     if not layers:
@@ -210,7 +210,7 @@ def _bias(
         return captured[name]
     w_scale = wq.scale if isinstance(wq, QuantTensor) else None
     in_scale = None
-    if layer.input_quant is not None and layer.input_quant.enabled:
+    if layer.input_quant.is_quant_enabled:
         in_scale = _act_scale(layer.input_quant)
     if proxy.spec.requires_input_scale and (in_scale is None or w_scale is None):
         raise ValueError(

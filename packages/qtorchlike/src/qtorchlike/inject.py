@@ -102,8 +102,14 @@ def _public_names(cls: type) -> list[str]:
     return sorted(n for n in names if not n.startswith("_") and n not in _RESERVED)
 
 
-def resolve(cls: type, name: str, chain: tuple[str, ...] = ()) -> Any:
+def resolve(cls: type, name: str, chain: tuple[str, ...] = (), *, instantiate: bool = True) -> Any:
     """Resolves attribute ``name`` of injector ``cls``, following ``@value`` and ``this``.
+
+    An attribute that is (or a ``@value`` function that returns) an implementation
+    class of :mod:`qtorchlike.core` (``tensor_quant = BinaryQuant``) is
+    instantiated, its constructor's arguments resolved by name like a ``@value``
+    function's (Brevitas' auto-wiring); ``instantiate=False`` returns the class.
+    A ``@value`` function that returns ``this.name`` resolves that attribute too.
 
     Raises:
         DependencyError: If the attribute (or one it depends on) does not exist,
@@ -114,11 +120,36 @@ def resolve(cls: type, name: str, chain: tuple[str, ...] = ()) -> Any:
     if name in chain:
         raise DependencyError(f"{cls.__name__}: circular dependency {where}")
     raw = _raw(cls, name)
+    if raw is _MISSING and name == "tensor_quant" and instantiate and has(cls, "quant_type"):
+        # A quantizer described by enums (qtorchlike.quant's): built as a module too.
+        from qtorchlike.core import tensor_quant_of  # noqa: PLC0415 - import cycle
+
+        return tensor_quant_of(cls)
     if raw is _MISSING:
         near = difflib.get_close_matches(name, _public_names(cls), n=3)
         hint = f"; did you mean {' or '.join(map(repr, near))}?" if near else ""
         raise DependencyError(f"{cls.__name__} has no attribute {name!r} (resolving {where}){hint}")
-    return _evaluate(cls, raw, (*chain, name))
+    out = _evaluate(cls, raw, (*chain, name))
+    if instantiate and isinstance(out, type) and getattr(out, "_injectable", False):
+        return _construct(cls, out, (*chain, name))
+    return out
+
+
+def _inject(cls: type, params: Any, chain: tuple[str, ...]) -> dict[str, Any]:
+    """Keyword arguments for ``params``: each resolved by name; a default when missing."""
+    kwargs = {}
+    for p in params:
+        if p.kind in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD):
+            continue
+        if p.default is not inspect.Parameter.empty and _raw(cls, p.name) is _MISSING:
+            continue
+        kwargs[p.name] = resolve(cls, p.name, chain)
+    return kwargs
+
+
+def _construct(cls: type, impl: type, chain: tuple[str, ...]) -> Any:
+    params = list(inspect.signature(impl).parameters.values())
+    return impl(**_inject(cls, params, chain))
 
 
 def _evaluate(cls: type, raw: Any, chain: tuple[str, ...]) -> Any:
@@ -129,12 +160,9 @@ def _evaluate(cls: type, raw: Any, chain: tuple[str, ...]) -> Any:
             out = getattr(out, attr)
         return out
     if isinstance(raw, _Value):
-        kwargs = {}
-        for p in raw.params:
-            if p.default is not inspect.Parameter.empty and _raw(cls, p.name) is _MISSING:
-                continue
-            kwargs[p.name] = resolve(cls, p.name, chain)
-        return raw.fn(**kwargs)
+        out = raw.fn(**_inject(cls, raw.params, chain))
+        # Brevitas' ExtendedInjector: a value function may return this.<name>.
+        return _evaluate(cls, out, chain) if isinstance(out, _This) else out
     return raw
 
 

@@ -142,6 +142,10 @@ class QuantTensor:
 
     # -- array-like --------------------------------------------------------------------
 
+    def __jax_array__(self) -> jax.Array:
+        """The value, so ``jnp`` functions take a QuantTensor (``jnp.tanh(qt)``), as torch's do."""
+        return self.value
+
     @property
     def shape(self) -> tuple[int, ...]:
         """Shape of the value."""

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import math
 from typing import Any
+
+import numpy as np
 
 from qtorchlike import inject
 
@@ -47,8 +48,9 @@ class ScalingImplType(_StrEnum):
 
     ``CONST``: ``scaling_const`` (activations without it: ``max(|min_val|,
     |max_val|)``). ``HE``: weights only, the constant ``sqrt(2 / fan_in)`` (He's
-    initialisation; averaged over the weights a proxy serves). ``STATS``: statistics of the tensor, every call
-    (weights) or running statistics (activations). ``PARAMETER``: a learned
+    initialisation; averaged over the weights a proxy serves). ``STATS``:
+    statistics of the tensor, every call (weights) or running statistics
+    (activations). ``PARAMETER``: a learned
     parameter starting at ``scaling_init``. ``PARAMETER_FROM_STATS``: a learned
     parameter initialised from statistics (weights: at construction and on
     state-dict load; activations: after ``collect_stats_steps`` training steps).
@@ -101,7 +103,7 @@ ATTRIBUTES = frozenset({
     "scaling_impl_type", "scaling_init", "scaling_per_output_channel",
     "scaling_per_output_type", "scaling_stats_momentum", "scaling_stats_op", "signed",
     "tensor_quant", "min_val", "max_val", "per_channel_broadcastable_shape",
-    "scaling_stats_permute_dims", "quant_delay_steps",
+    "scaling_stats_permute_dims", "quant_delay_steps", "threshold",
 })  # fmt: skip
 
 _FP_TYPES = {(4, 3): "float8_e4m3fn", (5, 2): "float8_e5m2", (2, 1): "float4_e2m1fn"}
@@ -135,12 +137,12 @@ class QuantSpec:
         channel_shape: Per-channel activation scales: the scale's shape
             (``per_channel_broadcastable_shape``, e.g. ``(1, C, 1, 1)``); None otherwise.
         channel_axis: The axis of ``channel_shape`` that holds the channels.
+        clamped: Binary codes of the input clamped to ``[-scale, scale]`` first
+            (``ClampedBinaryQuant``: the gradient is zero beyond).
+        threshold: Ternary codes are 0 where ``|x| <= threshold * scale``.
         quant_delay_steps: Calls that return the input unquantized before
             quantization starts (Brevitas' ``DelayWrapper``; 0: none).
         int_scaling: The threshold is divided by this to give the scale.
-        raw_int_scaling: ``int_scaling`` before power-of-two scales round it up
-            (127 for narrow int8); training batches that collect activation
-            statistics divide by it, unrestricted, as Brevitas does.
     """
 
     name: str
@@ -162,9 +164,10 @@ class QuantSpec:
     requires_input_scale: bool
     channel_shape: tuple[int, ...] | None
     channel_axis: int | None
+    clamped: bool
+    threshold: float
     quant_delay_steps: int
     int_scaling: float
-    raw_int_scaling: float
 
 
 def _get(q: type, name: str, default: Any = inject._MISSING) -> Any:
@@ -176,7 +179,7 @@ def _get(q: type, name: str, default: Any = inject._MISSING) -> Any:
 def _marked(q: type, impl: str, enum_name: str, default: Any = inject._MISSING) -> Any:
     """The enum attribute, or the kind of an implementation marker (``tensor_quant``...)."""
     if inject.has(q, impl) and not inject.has(q, enum_name):
-        marker = _get(q, impl)
+        marker = inject.resolve(q, impl, instantiate=False)
         kind = getattr(marker, "kind", None)
         if kind is None:
             raise ValueError(
@@ -205,11 +208,7 @@ def _channel_shape(q: type, per: ScalingPerOutputType) -> tuple[Any, Any]:
     raw = _get(q, "per_channel_broadcastable_shape")
     shape = tuple(raw) if isinstance(raw, tuple | list) else None
     channels = [i for i, n in enumerate(shape or ()) if n != 1]
-    if (
-        shape is None
-        or not all(isinstance(n, int) and n >= 1 for n in shape)
-        or len(channels) > 1
-    ):
+    if shape is None or not all(isinstance(n, int) and n >= 1 for n in shape) or len(channels) > 1:
         raise ValueError(
             f"{q.__name__}.per_channel_broadcastable_shape={raw!r} must be a tuple of "
             "positive ints with at most one entry above 1 (e.g. (1, C, 1, 1))"
@@ -249,9 +248,9 @@ def solve(q: type) -> QuantSpec:
         # Brevitas leaves a binary quantizer's sign unset unless `signed` is given,
         # and its QuantTensors are then not valid; the walkthrough sets signed=True.
         signed = bool(_get(q, "signed")) if inject.has(q, "signed") else None
-        bits, qtype, raw_int_scaling, narrow = 1, "int1", 1.0, False
+        bits, qtype, int_scaling, narrow = 1, "int1", 1.0, False
     elif quant_type is QuantType.TERNARY:
-        bits, qtype, raw_int_scaling, signed, narrow = 2, "int2", 1.0, True, True
+        bits, qtype, int_scaling, signed, narrow = 2, "int2", 1.0, True, True
     elif quant_type is QuantType.FP:
         e = _int(q, "exponent_bit_width", _get(q, "exponent_bit_width"), 1, 8)
         m = _int(q, "mantissa_bit_width", _get(q, "mantissa_bit_width"), 0, 7)
@@ -261,7 +260,7 @@ def solve(q: type) -> QuantSpec:
                 f"minifloat; allowed (exponent, mantissa): {sorted(_FP_TYPES)}"
             )
         qtype = _FP_TYPES[e, m]
-        bits, raw_int_scaling, signed, narrow = 1 + e + m, _FP_MAX[qtype], True, False
+        bits, int_scaling, signed, narrow = 1 + e + m, _FP_MAX[qtype], True, False
     else:
         bits = _int(q, "bit_width", _get(q, "bit_width"), 2, 32)
         if bits > 8 and bits != 16 and not _get(q, "requires_input_scale", False):
@@ -272,15 +271,14 @@ def solve(q: type) -> QuantSpec:
         qtype = f"{'int' if signed else 'uint'}{bits}"
         # Brevitas' IntScaling: a signed threshold maps to -min_int (2^(b-1), or
         # 2^(b-1) - 1 when narrow), an unsigned one to max_int (2^b - 1, or 2^b - 2
-        # when narrow). Power-of-two scales divide by that rounded up to a power of two
-        # (2^(b-1), 2^b unsigned), so the scale stays a power of two.
-        raw_int_scaling = float(2 ** (bits - 1) - narrow if signed else 2**bits - 1 - narrow)
+        # when narrow). Its PowerOfTwoIntScaling divides by 2^(b-1) (2^b unsigned)
+        # whatever the range, so the scale stays a power of two.
+        int_scaling = float(2 ** (bits - 1) - narrow if signed else 2**bits - 1 - narrow)
     restrict = RestrictValueType.parse(
         _get(q, "restrict_scaling_type", RestrictValueType.FP), f"{name}.restrict_scaling_type"
     )
-    int_scaling = raw_int_scaling
     if quant_type is QuantType.INT and restrict is RestrictValueType.POWER_OF_TWO:
-        int_scaling = float(2 ** math.ceil(math.log2(raw_int_scaling)))
+        int_scaling = float(2 ** (bits - 1) if signed else 2**bits)
     scaling = _marked(q, "scaling_impl", "scaling_impl_type")
     scaling = ScalingImplType.parse(scaling, f"{name}.scaling_impl_type")
     scaling_value = None
@@ -291,7 +289,12 @@ def solve(q: type) -> QuantSpec:
             low = _get(q, "min_val", None)
             scaling_value = max(abs(float(low or 0.0)), abs(float(_get(q, "max_val"))))
     elif scaling is ScalingImplType.PARAMETER:
-        scaling_value = float(_get(q, "scaling_init"))
+        init = np.asarray(_get(q, "scaling_init"), np.float64)
+        if init.size != 1:  # one per channel: the proxy resolves it again for its shape
+            if not np.all(init > 0):
+                raise ValueError(f"{name}: every scaling_init must be > 0; got {init.ravel()}")
+        else:
+            scaling_value = float(init.ravel()[0])
     if scaling_value is not None and not scaling_value > 0:
         raise ValueError(f"{name}: the scaling constant/init {scaling_value!r} must be > 0")
     # Brevitas' rule: the boolean scaling_per_output_channel, when set, wins over
@@ -308,6 +311,12 @@ def solve(q: type) -> QuantSpec:
     if per is ScalingPerOutputType.GROUP:
         group_size = _int(q, "group_size", _get(q, "group_size"), 1, 1 << 20)
     channel_shape, channel_axis = _channel_shape(q, per)
+    clamped = False
+    if inject.has(q, "tensor_quant"):
+        clamped = bool(getattr(inject.resolve(q, "tensor_quant", instantiate=False), "clamped", 0))
+    threshold = float(_get(q, "threshold", 0.5))
+    if quant_type is QuantType.TERNARY and not 0 <= threshold < 1:
+        raise ValueError(f"{name}.threshold={threshold!r} must be in [0, 1)")
     momentum = _get(q, "scaling_stats_momentum", None)
     if momentum is not None and not 0 < momentum <= 1:
         raise ValueError(f"{name}.scaling_stats_momentum={momentum!r} must be in (0, 1] or None")
@@ -341,9 +350,10 @@ def solve(q: type) -> QuantSpec:
         requires_input_scale=bool(_get(q, "requires_input_scale", False)),
         channel_shape=channel_shape,
         channel_axis=channel_axis,
+        clamped=clamped,
+        threshold=threshold,
         quant_delay_steps=_int(
             q, "quant_delay_steps", _get(q, "quant_delay_steps", None) or 0, 0, 1 << 30
         ),
         int_scaling=int_scaling,
-        raw_int_scaling=raw_int_scaling,
     )

@@ -20,6 +20,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from qtorchlike._errors import MissingBoundsError, NoQuantTensorError
+from qtorchlike._proxy import has_quant
 from qtorchlike.nn._quant_layer import act_proxy, check_bool, check_input, split_kwargs
 from qtorchlike.nn.module import Module
 from qtorchlike.quant import (
@@ -62,19 +64,19 @@ class _QuantAct(Module):
                 :meth:`qtorchlike._proxy.ActQuantProxy.forward`).
         """
         x = check_input(self, x)
-        if self.input_quant is not None:
+        if has_quant(self.input_quant):
             x = self.input_quant(x)
         xv = x.value if isinstance(x, QuantTensor) else jnp.asarray(x)
-        quantizing = self.act_quant is not None and self.act_quant.enabled
+        quantizing = self.act_quant.is_quant_enabled
         if not quantizing and self._passthrough and isinstance(x, QuantTensor):
             y: Any = x._like(self.activation(xv))  # keeps the input's grid (relu, identity)
         else:
             y = self.activation(xv)
-            if self.act_quant is not None:
+            if has_quant(self.act_quant):
                 y = self.act_quant(y)
         if self.return_quant_tensor:
             if not isinstance(y, QuantTensor):
-                raise RuntimeError(
+                raise NoQuantTensorError(
                     f"{type(self).__name__}(return_quant_tensor=True) has no enabled act_quant "
                     "to produce a QuantTensor"
                 )
@@ -132,7 +134,7 @@ class QuantHardTanh(_QuantAct):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         if "min_val" not in kwargs or "max_val" not in kwargs:
-            raise TypeError("QuantHardTanh needs min_val= and max_val= (the clamp bounds)")
+            raise MissingBoundsError("QuantHardTanh needs min_val= and max_val= (the clamp bounds)")
         try:
             bounds = (float(kwargs["min_val"]), float(kwargs["max_val"]))
         except (TypeError, ValueError) as e:
@@ -146,6 +148,6 @@ class QuantHardTanh(_QuantAct):
         self._bounds = bounds
 
     def activation(self, x: jax.Array) -> jax.Array:  # noqa: D102
-        if self.act_quant is not None and self.act_quant.enabled:
+        if self.act_quant.is_quant_enabled:
             return x
         return jnp.clip(x, *self._bounds)

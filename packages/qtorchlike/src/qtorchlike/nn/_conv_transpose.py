@@ -190,9 +190,7 @@ class QuantConvTranspose2d(QuantWBIOL):
             A QuantTensor or an array, as :class:`~qtorchlike.nn.QuantLinear` does.
         """
         y = super().forward(x)
-        if isinstance(y, QuantTensor) and (
-            self.output_quant is None or not self.output_quant.enabled
-        ):
+        if isinstance(y, QuantTensor) and (not self.output_quant.is_quant_enabled):
             # The accumulator grid came from QuantWBIOL, whose bit width assumes a direct
             # convolution's fan-in (weight axis 1 times the kernel); recompute it for the
             # transposed layout.

@@ -10,6 +10,7 @@ import numpy as np
 from jax.core import Tracer
 
 from qtorchlike import random
+from qtorchlike._proxy import has_quant
 from qtorchlike.nn._quant_layer import check_bool, split_kwargs, weight_proxy
 from qtorchlike.nn.module import Module, Parameter
 from qtorchlike.quant import Int8WeightPerTensorFloat
@@ -79,7 +80,7 @@ class QuantEmbedding(Module):
 
     def quant_weight(self) -> Any:
         """The table as the layer reads it: a QuantTensor, or the float weight."""
-        if self.weight_quant is None:
+        if not has_quant(self.weight_quant):
             return self.weight
         return self.weight_quant(self.weight, 0, 1)
 

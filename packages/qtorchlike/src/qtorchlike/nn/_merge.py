@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from qtorchlike import functional as F
+from qtorchlike._proxy import has_quant
 from qtorchlike.nn._quant_layer import act_proxy, check_bool, split_kwargs
 from qtorchlike.nn.module import Module
 from qtorchlike.quant import Int8ActPerTensorFloat
@@ -31,10 +32,10 @@ class _QuantMerge(Module):
         self.return_quant_tensor = check_bool("return_quant_tensor", return_quant_tensor)
 
     def _quant_input(self, x: Any) -> Any:
-        return self.input_quant(x) if self.input_quant is not None else x
+        return self.input_quant(x) if has_quant(self.input_quant) else x
 
     def _output(self, y: Any) -> Any:
-        if self.output_quant is not None:
+        if has_quant(self.output_quant):
             y = self.output_quant(y)
         if not self.return_quant_tensor:
             return y.value if isinstance(y, QuantTensor) else y

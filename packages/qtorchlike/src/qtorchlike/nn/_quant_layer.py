@@ -20,7 +20,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from qtorchlike import inject, random
-from qtorchlike._proxy import ActQuantProxy, BiasQuantProxy, QuantProxy, WeightQuantProxy, is_quant
+from qtorchlike._errors import NoQuantTensorError
+from qtorchlike._proxy import (
+    ActQuantProxy,
+    BiasQuantProxy,
+    QuantProxy,
+    WeightQuantProxy,
+    has_quant,
+    is_quant,
+)
 from qtorchlike.nn.module import Module, Parameter
 from qtorchlike.quant_tensor import QuantTensor
 from qtorchlike.solver import ATTRIBUTES, QuantSpec
@@ -111,40 +119,56 @@ def _shared(quant: Any, overrides: dict[str, Any], arg: str, kind: type) -> Any:
     return quant
 
 
+def _proxy_class(q: type | None, kind: type, arg: str) -> type:
+    """The quantizer's ``proxy_class`` (Brevitas'), checked to be a ``kind``; else ``kind``."""
+    if q is None or not inject.has(q, "proxy_class"):
+        return kind
+    cls = inject.resolve(q, "proxy_class", instantiate=False)
+    if not (isinstance(cls, type) and issubclass(cls, kind)):
+        raise TypeError(
+            f"{arg}={q.__name__} has proxy_class={getattr(cls, '__name__', cls)!r}, which "
+            f"cannot serve as {arg}; allowed: {kind.__name__} (Brevitas' "
+            f"{kind.__name__}FromInjector) or a subclass of it"
+        )
+    return cls
+
+
 def weight_proxy(
     layer: Module, quant: Any, overrides: dict, channel_axis: int = 0, input_axis: int = 1
-) -> WeightQuantProxy | None:
-    """A new (or shared) weight quantizer proxy tracking ``layer``'s weight."""
+) -> WeightQuantProxy:
+    """A new (or shared) weight quantizer proxy tracking ``layer``'s weight (disabled if none)."""
     shared = _shared(quant, overrides, "weight_quant", WeightQuantProxy)
     if shared is not None:
         shared.track(layer, channel_axis, input_axis)
         return shared
     q = _injector(quant, overrides, "weight_quant")
-    return None if q is None else WeightQuantProxy(q, layer, channel_axis, input_axis)
+    cls = _proxy_class(q, WeightQuantProxy, "weight_quant")
+    return cls(q, layer, channel_axis, input_axis)
 
 
-def act_proxy(quant: Any, overrides: dict, arg: str) -> ActQuantProxy | None:
-    """A new (or shared) activation quantizer proxy."""
+def act_proxy(quant: Any, overrides: dict, arg: str) -> ActQuantProxy:
+    """A new (or shared) activation quantizer proxy (disabled if there is no quantizer)."""
     shared = _shared(quant, overrides, arg, ActQuantProxy)
     if shared is not None:
         return shared
     q = _injector(quant, overrides, arg)
-    return None if q is None else ActQuantProxy(q)
+    return _proxy_class(q, ActQuantProxy, arg)(q)
 
 
-def bias_proxy(quant: Any, overrides: dict) -> BiasQuantProxy | None:
-    """A new (or shared) bias quantizer proxy."""
+def bias_proxy(quant: Any, overrides: dict) -> BiasQuantProxy:
+    """A new (or shared) bias quantizer proxy (disabled if there is no quantizer)."""
     shared = _shared(quant, overrides, "bias_quant", BiasQuantProxy)
     if shared is not None:
         return shared
     q = _injector(quant, overrides, "bias_quant")
-    return None if q is None else BiasQuantProxy(q)
+    return _proxy_class(q, BiasQuantProxy, "bias_quant")(q)
 
 
 def spec_of(proxy: QuantProxy | None) -> QuantSpec:
-    """The spec of a proxy that the caller knows is set."""
-    if proxy is None:
-        raise RuntimeError("internal error: a quantizer expected here is None")
+    """The spec of a proxy that the caller knows has a quantizer."""
+    if not has_quant(proxy):
+        raise RuntimeError("internal error: a quantizer expected here is missing")
+    assert proxy is not None
     return proxy.spec
 
 
@@ -160,11 +184,11 @@ def acc_bit_width(in_bits: Any, w_bits: Any, fan_in: int) -> Any:
 
 def apply_output(layer: Any, y: Any) -> Any:
     """Runs the output quantizer and returns a QuantTensor or its value as configured."""
-    if layer.output_quant is not None:
+    if has_quant(layer.output_quant):
         y = layer.output_quant(y)
     if layer.return_quant_tensor:
         if not isinstance(y, QuantTensor):
-            raise RuntimeError(
+            raise NoQuantTensorError(
                 f"{type(layer).__name__}(return_quant_tensor=True) produced a float output: "
                 "quantize its input and weight (input_quant=..., or feed a QuantTensor) or set "
                 "output_quant=..."
@@ -271,7 +295,7 @@ class QuantWBIOL(Module):
 
     def quant_weight(self) -> Any:
         """The weight as this layer uses it: a QuantTensor, or the float weight."""
-        if self.weight_quant is None:
+        if not has_quant(self.weight_quant):
             return self.weight
         return self.weight_quant(self.weight, self._channel_axis, self._input_axis)
 
@@ -288,8 +312,7 @@ class QuantWBIOL(Module):
         """Whether this layer's own quantizers give integer codes of at most 8 bits."""
         proxies = (self.input_quant, self.weight_quant)
         return all(
-            p is not None and p.enabled and is_quant(p.spec) and p.spec.bit_width <= 8
-            for p in proxies
+            p.is_quant_enabled and is_quant(p.spec) and p.spec.bit_width <= 8 for p in proxies
         )
 
     def _channel_shape(self, ndim: int, n: int) -> tuple[int, ...]:
@@ -307,7 +330,7 @@ class QuantWBIOL(Module):
         """
         x = check_input(self, x)
         self._check_shape(x.value if isinstance(x, QuantTensor) else x)
-        xq = self.input_quant(x) if self.input_quant is not None else x
+        xq = self.input_quant(x) if has_quant(self.input_quant) else x
         wq = self.quant_weight()
         both = isinstance(xq, QuantTensor) and isinstance(wq, QuantTensor)
         y = None
@@ -321,7 +344,7 @@ class QuantWBIOL(Module):
         bias = self.bias
         bq = None
         if bias is not None:
-            if self.bias_quant is not None:
+            if has_quant(self.bias_quant):
                 bq = self.bias_quant(
                     bias,
                     xq.scale if isinstance(xq, QuantTensor) else None,

@@ -46,7 +46,14 @@ import numpy as np
 
 from qtorchlike import config
 
-__all__ = ["IncompatibleKeys", "Module", "Parameter", "RemovableHandle", "set_state"]
+__all__ = [
+    "IncompatibleKeys",
+    "Module",
+    "Parameter",
+    "RemovableHandle",
+    "StateDictKeyError",
+    "set_state",
+]
 
 
 class ParameterBox:
@@ -340,14 +347,16 @@ class Module:
                 checkpoint loads into a quantized model.
 
         Returns:
-            The missing and unexpected keys.
+            The missing and unexpected keys (tolerated quantizer keys are not listed,
+            as in Brevitas).
 
         Raises:
             TypeError: ``state_dict`` is not a mapping, ``strict`` not a bool, a key
                 not a str, or a value not an array of numbers (a string, None, a
                 dict...); the message names the key and its or the value's type.
-            KeyError: Missing or unexpected keys under ``strict=True``; the message
-                lists them and the nearest names the model has.
+            StateDictKeyError: Missing or unexpected keys under ``strict=True`` (a
+                KeyError and a RuntimeError); the message lists them and the nearest
+                names the model has.
             ValueError: A shape differs from the model's (the message names the key
                 and both shapes), a loaded scale is non-finite or not positive (the
                 message names the key and the number of bad values), or
@@ -375,7 +384,7 @@ class Module:
             # Quantizer state (scales, statistics) may be absent: a float checkpoint.
             required = [k for k in missing if not _is_quantizer_state(self, k)]
         if strict and (unexpected or required):
-            raise KeyError(_key_error(required, unexpected, list(own)))
+            raise StateDictKeyError(_key_error(required, unexpected, list(own)))
         new = {k: _loadable(k, v, own[k]) for k, v in state_dict.items() if k in own}
         for key, value in new.items():
             module, _, name = locate(self, key)
@@ -395,7 +404,8 @@ class Module:
         except BaseException:
             set_state(self, own)
             raise
-        return IncompatibleKeys(missing, unexpected)
+        # As in Brevitas, tolerated quantizer keys are not reported as missing either.
+        return IncompatibleKeys(required, unexpected)
 
     # -- printing ---------------------------------------------------------------------------
 
@@ -470,6 +480,17 @@ def _is_quantizer_state(model: Module, key: str) -> bool:
 
 def _under(key: str, prefix: str) -> bool:
     return not prefix or key.startswith(prefix + ".")
+
+
+class StateDictKeyError(KeyError, RuntimeError):
+    """``load_state_dict(strict=True)`` found missing or unexpected keys.
+
+    A KeyError, and a RuntimeError like PyTorch's, so Brevitas code that catches
+    either keeps working.
+    """
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
 
 
 def _key_error(missing: list[str], unexpected: list[str], own: list[str]) -> str:
