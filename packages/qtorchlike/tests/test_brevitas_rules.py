@@ -121,3 +121,28 @@ def test_he_scaling_for_weights_and_refused_for_activations():
     np.testing.assert_allclose(float(conv.quant_weight().scale), np.sqrt(2 / 27) / 127, rtol=1e-6)
     with pytest.raises(ValueError, match="HE is for weights"):
         qnn.QuantReLU(scaling_impl_type="HE")
+
+
+@pytest.mark.parametrize(
+    "build, words",
+    [
+        (lambda: qnn.QuantIdentity(foo_bar=1), ("QuantIdentity()", "'foo_bar'", "act_quant")),
+        (
+            lambda: qnn.QuantConv2d(1, 2, 3, weight_scaling_min_val=1e-3),
+            ("QuantConv2d()", "'weight_scaling_min_val'", "weight_quant"),
+        ),
+        (
+            lambda: qnn.QuantLinear(2, 2, output_foo=1),
+            ("QuantLinear()", "'output_foo'", "output_quant"),
+        ),
+        (
+            lambda: qnn.QuantEltwiseAdd(input_foo=1),
+            ("QuantEltwiseAdd()", "'input_foo'", "input_quant"),
+        ),
+    ],
+)
+def test_an_unknown_quantizer_keyword_names_the_key_the_quantizer_and_the_layer(build, words):
+    with pytest.raises(TypeError) as caught:
+        build()
+    for word in words:
+        assert word in str(caught.value)

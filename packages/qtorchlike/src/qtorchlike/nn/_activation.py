@@ -45,10 +45,11 @@ class _QuantAct(Module):
         **kwargs: Any,
     ) -> None:
         super().__init__()
-        groups = split_kwargs(type(self).__name__, kwargs, ("input_", ""))
+        name = type(self).__name__
+        groups = split_kwargs(name, kwargs, ("input_", ""))
         act_quant = self.default_act_quant if act_quant == "default" else act_quant
-        self.input_quant = act_proxy(input_quant, groups["input_"], "input_quant")
-        self.act_quant = act_proxy(act_quant, groups[""], "act_quant")
+        self.input_quant = act_proxy(input_quant, groups["input_"], "input_quant", name)
+        self.act_quant = act_proxy(act_quant, groups[""], "act_quant", name)
         self.return_quant_tensor = check_bool("return_quant_tensor", return_quant_tensor)
 
     def activation(self, x: jax.Array) -> jax.Array:

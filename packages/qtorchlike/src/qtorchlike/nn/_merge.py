@@ -26,9 +26,10 @@ class _QuantMerge(Module):
         self, input_quant: Any, output_quant: Any, return_quant_tensor: bool, kwargs: dict
     ) -> None:
         super().__init__()
-        groups = split_kwargs(type(self).__name__, kwargs, ("input_", "output_"))
-        self.input_quant = act_proxy(input_quant, groups["input_"], "input_quant")
-        self.output_quant = act_proxy(output_quant, groups["output_"], "output_quant")
+        name = type(self).__name__
+        groups = split_kwargs(name, kwargs, ("input_", "output_"))
+        self.input_quant = act_proxy(input_quant, groups["input_"], "input_quant", name)
+        self.output_quant = act_proxy(output_quant, groups["output_"], "output_quant", name)
         self.return_quant_tensor = check_bool("return_quant_tensor", return_quant_tensor)
 
     def _quant_input(self, x: Any) -> Any:

@@ -75,7 +75,9 @@ def _known(quant: type | None) -> set[str]:
     return names
 
 
-def _check_overrides(quant: type | None, overrides: dict[str, Any], arg: str) -> None:
+def _check_overrides(
+    quant: type | None, overrides: dict[str, Any], arg: str, layer: str = ""
+) -> None:
     known = _known(quant)
     unknown = sorted(set(overrides) - known)
     if not unknown:
@@ -85,16 +87,17 @@ def _check_overrides(quant: type | None, overrides: dict[str, Any], arg: str) ->
     near = difflib.get_close_matches(name, sorted(known), n=2)
     hint = f"did you mean {' or '.join(repr(n) for n in near)}? " if near else ""
     what = f"{arg}={quant.__name__}" if quant is not None else f"an inline {arg}"
+    where = f"{layer}() got an " if layer else ""
     raise TypeError(
-        f"unexpected keyword argument {prefix + name!r}: {what} has no attribute {name!r}; "
+        f"{where}unexpected keyword argument {prefix + name!r}: {what} has no attribute {name!r}; "
         f"{hint}allowed: {prefix}<attribute> with an attribute of the quantizer or one of "
         f"{sorted(ATTRIBUTES)}"
     )
 
 
-def _injector(quant: Any, overrides: dict[str, Any], arg: str) -> type | None:
+def _injector(quant: Any, overrides: dict[str, Any], arg: str, layer: str = "") -> type | None:
     if quant is None or (isinstance(quant, type) and issubclass(quant, inject.ExtendedInjector)):
-        _check_overrides(quant, overrides, arg)
+        _check_overrides(quant, overrides, arg, layer)
     if quant is None:
         # A quantizer defined inline by prefixed keywords is named after its argument.
         return type(arg, (inject.ExtendedInjector,), dict(overrides)) if overrides else None
@@ -141,26 +144,26 @@ def weight_proxy(
     if shared is not None:
         shared.track(layer, channel_axis, input_axis)
         return shared
-    q = _injector(quant, overrides, "weight_quant")
+    q = _injector(quant, overrides, "weight_quant", type(layer).__name__)
     cls = _proxy_class(q, WeightQuantProxy, "weight_quant")
     return cls(q, layer, channel_axis, input_axis)
 
 
-def act_proxy(quant: Any, overrides: dict, arg: str) -> ActQuantProxy:
+def act_proxy(quant: Any, overrides: dict, arg: str, layer: str = "") -> ActQuantProxy:
     """A new (or shared) activation quantizer proxy (disabled if there is no quantizer)."""
     shared = _shared(quant, overrides, arg, ActQuantProxy)
     if shared is not None:
         return shared
-    q = _injector(quant, overrides, arg)
+    q = _injector(quant, overrides, arg, layer)
     return _proxy_class(q, ActQuantProxy, arg)(q)
 
 
-def bias_proxy(quant: Any, overrides: dict) -> BiasQuantProxy:
+def bias_proxy(quant: Any, overrides: dict, layer: str = "") -> BiasQuantProxy:
     """A new (or shared) bias quantizer proxy (disabled if there is no quantizer)."""
     shared = _shared(quant, overrides, "bias_quant", BiasQuantProxy)
     if shared is not None:
         return shared
-    q = _injector(quant, overrides, "bias_quant")
+    q = _injector(quant, overrides, "bias_quant", layer)
     return _proxy_class(q, BiasQuantProxy, "bias_quant")(q)
 
 
@@ -288,9 +291,10 @@ class QuantWBIOL(Module):
         self.weight_quant = weight_proxy(
             self, weight_quant, groups["weight_"], self._channel_axis, self._input_axis
         )
-        self.bias_quant = bias_proxy(bias_quant, groups["bias_"])
-        self.input_quant = act_proxy(input_quant, groups["input_"], "input_quant")
-        self.output_quant = act_proxy(output_quant, groups["output_"], "output_quant")
+        name = type(self).__name__
+        self.bias_quant = bias_proxy(bias_quant, groups["bias_"], name)
+        self.input_quant = act_proxy(input_quant, groups["input_"], "input_quant", name)
+        self.output_quant = act_proxy(output_quant, groups["output_"], "output_quant", name)
         self.return_quant_tensor = check_bool("return_quant_tensor", return_quant_tensor)
 
     def quant_weight(self) -> Any:
