@@ -95,7 +95,7 @@ def mse_grid(init: float):
 
 
 def first_argmin(losses) -> int:
-    """``mse_grid_search`` keeps a candidate only if its loss is strictly smaller: the first minimum."""
+    """The first minimum: ``mse_grid_search`` keeps a candidate only if its loss is smaller."""
     return int(np.argmin(losses))
 
 
@@ -181,7 +181,9 @@ def shifted_mse_weight(w, per_channel: bool, bits=8):
     scales, zps = [], []
     for b in r:
         low = negative_min_or_zero(b)
-        t = mse_scale_search(b, hi, 0, hi, abs_min_max(b), lambda s, low=low: zero_point_int(low, s))
+        t = mse_scale_search(
+            b, hi, 0, hi, abs_min_max(b), lambda s, low=low: zero_point_int(low, s)
+        )
         s = max(t, SCALING_MIN_VAL) / hi
         scales.append(s)
         zps.append(zero_point_int(mse_zero_point_search(b, s, low, bits), s, bits))
@@ -231,9 +233,6 @@ class RuntimeAct:
         return 2.0 ** math.ceil(math.log2(threshold)) / self._pot_int()
 
     def _batch_stats(self, row):
-        if self.kind == "percentile":
-            k = min(max(math.floor(0.01 * 99.999 * row.size + 0.5), 1), row.size)
-            return float(np.sort(np.abs(row))[k - 1]), 0.0
         if self.kind == "interval":
             return percentile_interval(row), negative_percentile_or_zero(row)
         if self.kind == "mse":

@@ -17,6 +17,7 @@ import qtorchlike
 import qtorchlike.nn as qnn
 from qtorchlike import quant
 from qtorchlike.func import functional_call
+from qtorchlike.nn.module import set_state
 
 NEW_QUANTIZERS = [
     "ShiftedUint8ActPerTensorFloat",
@@ -56,8 +57,10 @@ def _layer(kind, q, bits):
     else:
         layer = qnn.QuantLinear(20, 12, bias=False, weight_quant=q, weight_bit_width=bits)
     layer.weight = jnp.asarray(w)
-    if layer.weight_quant.spec.scaling.value == "parameter_from_stats":
-        layer.weight_quant.init_scale()  # learned (MSE) scales start from the new weight
+    proxy = layer.weight_quant
+    assert proxy is not None
+    if proxy.spec.scaling.value == "parameter_from_stats":
+        proxy.init_scale()  # learned (MSE) scales start from the new weight
     return layer, w
 
 
@@ -109,7 +112,9 @@ def test_mse_weight_search_clips_low_bit_channels():
     clipped = scale.ravel() * 7 < np.abs(w).reshape(16, -1).max(axis=1) * (1 - 1e-6)
     assert clipped.sum() >= 4
     layer, _ = _layer("conv", quant.Int8WeightPerChannelFloatMSE, 4)
-    np.testing.assert_allclose(np.asarray(layer.quant_weight().scale).ravel(), scale.ravel(), rtol=2e-6)
+    np.testing.assert_allclose(
+        np.asarray(layer.quant_weight().scale).ravel(), scale.ravel(), rtol=2e-6
+    )
 
 
 def _act_reference(name, steps, bits):
@@ -156,7 +161,9 @@ def test_activation_quantizer_matches_brevitas_through_training_and_eval(
         rtol=2e-6,
     )
     if shifted:  # the learned zero point is Brevitas' statistic (<= 0), not the integer
-        np.testing.assert_allclose(float(sd["act_quant.zero_point_value"]), want.zp_buffer, rtol=2e-6)
+        np.testing.assert_allclose(
+            float(sd["act_quant.zero_point_value"]), want.zp_buffer, rtol=2e-6
+        )
 
 
 def test_shifted_activation_identity_case_has_a_nonzero_zero_point():
@@ -169,7 +176,9 @@ def test_shifted_activation_identity_case_has_a_nonzero_zero_point():
 def _chain():
     w = ref.weight("linear")
     act = qnn.QuantIdentity(
-        act_quant=quant.ShiftedUint8ActPerTensorFloat, collect_stats_steps=2, return_quant_tensor=True
+        act_quant=quant.ShiftedUint8ActPerTensorFloat,
+        collect_stats_steps=2,
+        return_quant_tensor=True,
     )
     lin = qnn.QuantLinear(20, 12, bias=True)
     lin.weight, lin.bias = jnp.asarray(w), jnp.asarray(ref.bias())
@@ -204,12 +213,17 @@ def test_shifted_activation_feeding_a_quant_linear_gives_the_float64_result():
 def test_layer_with_own_shifted_input_quant_takes_the_float_path(training):
     # The integer fast path (_int_op) multiplies codes and would ignore the zero point.
     lin = qnn.QuantLinear(
-        20, 12, bias=False, input_quant=quant.ShiftedUint8ActPerTensorFloat, input_collect_stats_steps=1
+        20,
+        12,
+        bias=False,
+        input_quant=quant.ShiftedUint8ActPerTensorFloat,
+        input_collect_stats_steps=1,
     )
     lin.weight = jnp.asarray(ref.weight("linear"))
     x = jnp.asarray(ref.linear_batches()[0])
     lin(x)  # collects the statistics (one step), then learned
     lin.train(training)
+    assert lin.input_quant is not None
     qa = lin.input_quant(x)
     assert float(qa.zero_point) > 0
     want = np.asarray(qa.value, np.float64) @ np.asarray(lin.quant_weight().value, np.float64).T
@@ -220,19 +234,26 @@ def test_layer_fed_a_zero_point_cannot_return_a_quant_tensor():
     # Brevitas raises too ("Computing zero point of output accumulator not supported yet").
     model = _chain()
     model[1].return_quant_tensor = True
-    with pytest.raises(ValueError, match=r"zero point.*ShiftedUint8ActPerTensorFloat|zero point.*output_quant"):
+    with pytest.raises(
+        ValueError, match=r"zero point.*ShiftedUint8ActPerTensorFloat|zero point.*output_quant"
+    ):
         model(jnp.asarray(ref.linear_batches()[0]))
 
 
 def test_shifted_weight_layer_output_is_float_and_correct():
     lin = qnn.QuantLinear(
-        20, 12, bias=False, weight_quant=quant.ShiftedUint8WeightPerChannelFloat,
-        input_quant=quant.Int8ActPerTensorFloat, input_collect_stats_steps=1,
+        20,
+        12,
+        bias=False,
+        weight_quant=quant.ShiftedUint8WeightPerChannelFloat,
+        input_quant=quant.Int8ActPerTensorFloat,
+        input_collect_stats_steps=1,
     )
     lin.weight = jnp.asarray(ref.weight("linear"))
     x = jnp.asarray(ref.linear_batches()[0])
     lin(x)
     lin.eval()
+    assert lin.input_quant is not None
     qa, wq = lin.input_quant(x), lin.quant_weight()
     want = np.asarray(qa.value, np.float64) @ np.asarray(wq.value, np.float64).T
     np.testing.assert_allclose(np.asarray(lin(x), np.float64), want, rtol=0, atol=2e-5)
@@ -252,7 +273,7 @@ def test_integer_state_dict_carries_the_zero_points():
     assert w["weight_int"].dtype == np.uint8 and w["weight_zero_point"].shape == (12, 1)
     deq = (w["weight_int"].astype(np.float64) - w["weight_zero_point"]) * w["weight_scale"]
     np.testing.assert_allclose(deq, np.asarray(model[1].quant_weight().value), rtol=0, atol=1e-7)
-    qa = model[0](jnp.asarray(ref.linear_batches()[3]))
+    qa = model[0].act_quant(jnp.asarray(ref.linear_batches()[3]))
     a = sd["0"]
     assert float(a["act_zero_point"]) == float(qa.zero_point) > 0
     assert float(a["act_scale"]) == float(qa.scale)
@@ -265,7 +286,9 @@ def test_export_tflite_refuses_zero_points_naming_layer_and_quantizer():
         model(jnp.asarray(x))
     with pytest.raises(ValueError, match=r"'0'.*ShiftedUint8ActPerTensorFloat.*zero point"):
         qtorchlike.export_tflite(model, ref.linear_batches()[0])
-    lin = qnn.Sequential(qnn.QuantLinear(20, 12, weight_quant=quant.ShiftedUint8WeightPerTensorFloat))
+    lin = qnn.Sequential(
+        qnn.QuantLinear(20, 12, weight_quant=quant.ShiftedUint8WeightPerTensorFloat)
+    )
     with pytest.raises(ValueError, match=r"'0'.*ShiftedUint8WeightPerTensorFloat.*zero point"):
         qtorchlike.export_tflite(lin, ref.linear_batches()[0])
 
@@ -275,7 +298,9 @@ def test_shifted_activation_trains_under_jit_like_eager():
     # point's statistics, hand-over and learned value follow the same path.
     def make():
         return qnn.QuantIdentity(
-            act_quant=quant.ShiftedUint8ActPerTensorFloatMSE, collect_stats_steps=2, return_quant_tensor=True
+            act_quant=quant.ShiftedUint8ActPerTensorFloatMSE,
+            collect_stats_steps=2,
+            return_quant_tensor=True,
         )
 
     eager, traced = make(), make()
@@ -284,7 +309,7 @@ def test_shifted_activation_trains_under_jit_like_eager():
         want = eager(jnp.asarray(x))
         state = {**dict(traced.named_parameters()), **dict(traced.named_buffers())}
         got, new_state = step(state, jnp.asarray(x))
-        qtorchlike.nn.module.set_state(traced, new_state)
+        set_state(traced, new_state)
         assert float(got.zero_point) == float(want.zero_point)
         np.testing.assert_allclose(float(got.scale), float(want.scale), rtol=1e-6)
 

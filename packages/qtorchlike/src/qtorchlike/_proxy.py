@@ -641,7 +641,7 @@ class ActQuantProxy(QuantProxy):
                 self._check_batch(x)
 
             # lax.cond, not jnp.where: the percentile (a sort) runs only while collecting.
-            # A collecting batch's scale is its statistic over raw_int_scaling, not
+            # A collecting batch's scale is its statistic over int_scaling, not
             # restricted to a power of two (Brevitas restricts only the learned value).
             def collect(state):
                 running, counter, value = state

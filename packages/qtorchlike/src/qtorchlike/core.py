@@ -42,7 +42,14 @@ import jax
 import jax.numpy as jnp
 
 from qtorchlike.nn.module import Module, Parameter
-from qtorchlike.solver import QuantType, ScalingImplType, solve
+from qtorchlike.solver import (
+    QuantType,
+    ScalingImplType,
+    StatsOp,
+    ZeroPointImplType,
+    ZeroPointStatsOp,
+    solve,
+)
 
 
 class _Marker:
@@ -251,6 +258,47 @@ class StatsFromParameterScaling(_Marker, kind=ScalingImplType.STATS):
 
 class ParameterFromStatsScaling(_Marker, kind=ScalingImplType.PARAMETER_FROM_STATS):
     """A learned threshold initialised from statistics."""
+
+
+# -- zero points and statistics (Brevitas' brevitas.core.zero_point, brevitas.core.stats) ---
+
+
+class ZeroZeroPoint(_Marker, kind=ZeroPointImplType.ZERO):
+    """No zero point (symmetric codes)."""
+
+
+class StatsFromParameterZeroPoint(_Marker, kind=ZeroPointImplType.STATS):
+    """A weight's zero point from its statistics, on every call."""
+
+
+class ParameterFromStatsFromParameterZeroPoint(
+    _Marker, kind=ZeroPointImplType.PARAMETER_FROM_STATS
+):
+    """A learned weight zero point, initialised from the weight's statistics."""
+
+
+class ParameterFromRuntimeZeroPoint(_Marker, kind=ZeroPointImplType.PARAMETER_FROM_STATS):
+    """A learned activation zero point, from the first ``collect_stats_steps`` batches."""
+
+
+class NegativeMinOrZero(_Marker, kind=ZeroPointStatsOp.NEGATIVE_MIN_OR_ZERO):
+    """Zero-point statistic ``min(min(x), 0)``."""
+
+
+class NegativePercentileOrZero(_Marker, kind=ZeroPointStatsOp.NEGATIVE_PERCENTILE_OR_ZERO):
+    """Zero-point statistic ``min(x_(k), 0)``, ``k = ceil(low_percentile_q/100 * n)``."""
+
+
+class MSE(_Marker, kind=ZeroPointStatsOp.MSE):
+    """Brevitas' MSE grid search, as ``scaling_stats_impl`` or ``zero_point_stats_impl``."""
+
+
+class AbsMax(_Marker, kind=StatsOp.MAX):
+    """``max|x|``: the start of a symmetric MSE search (``mse_init_op``)."""
+
+
+class AbsMinMax(_Marker, kind=StatsOp.MIN_MAX):
+    """``|max(x) - min(min(x), 0)|``: the start of an asymmetric MSE search."""
 
 
 __all__ = [

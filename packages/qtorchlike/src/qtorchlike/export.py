@@ -36,8 +36,9 @@ import numpy as np
 from jax import extend as jex
 from jax import lax
 
-from qtorchlike._proxy import ActQuantProxy, WeightQuantProxy, has_quant, to_scale
+from qtorchlike._proxy import ActQuantProxy, QuantProxy, WeightQuantProxy, has_quant, to_scale
 from qtorchlike._switches import Switches, check_model, proxies
+from qtorchlike._zero_point import ZeroPointActQuantProxy, has_zero_point
 from qtorchlike.func import functional_call
 from qtorchlike.nn._quant_layer import QuantWBIOL
 from qtorchlike.nn.module import Module, set_state
@@ -181,12 +182,37 @@ def integer_state_dict(model: Module, example_input: Any = None) -> dict[str, di
                 key = child.removesuffix("_quant")
                 spec = proxy.spec
                 entry[f"{key}_scale"] = np.asarray(_act_scale(proxy))
-                entry[f"{key}_zero_point"] = np.zeros((), np.float32)
+                entry[f"{key}_zero_point"] = _act_zero_point(proxy)
                 entry[f"{key}_bit_width"] = int(spec.bit_width)
                 entry[f"{key}_signed"] = spec.signed
         if entry:
             out[name] = entry
     return out
+
+
+def _act_zero_point(proxy: ActQuantProxy) -> np.ndarray:
+    """The evaluation-mode integer zero point of an activation quantizer (0 without one)."""
+    zp = proxy.eval_zero_point() if isinstance(proxy, ZeroPointActQuantProxy) else None
+    return np.zeros((), np.float32) if zp is None else np.asarray(zp, np.float32)
+
+
+def _refuse_zero_points(model: Module) -> None:
+    """export_tflite cannot express these zero points: a ValueError naming layer and quantizer.
+
+    LiteRT's int8 weights are symmetric, and the converter would re-round shifted
+    codes instead of keeping them; activation zero points are refused as well rather
+    than approximated.
+    """
+    for name, m in model.named_modules():
+        for child, proxy in m.named_children():
+            if isinstance(proxy, QuantProxy) and proxy.enabled and has_zero_point(proxy.spec):
+                raise ValueError(
+                    f"export_tflite: layer {name!r} has {child}={proxy.spec.name}, whose codes "
+                    "have a zero point; the LiteRT export supports zero-point-free (symmetric) "
+                    "quantizers only, and would not reproduce these numbers. Use e.g. "
+                    "Int8WeightPerChannelFloat / Uint8ActPerTensorFloat, or disable that "
+                    "quantizer"
+                )
 
 
 def _fields(key: str, q: QuantTensor, codes: np.ndarray) -> dict[str, Any]:
@@ -450,6 +476,7 @@ def export_tflite(
             f"value{'s' if bad != 1 else ''} (NaN or inf) of {example.size}; allowed: finite "
             "values (the export calibrates on it)"
         )
+    _refuse_zero_points(model)
     qlitert = _import_qlitert()
     if path is not None:  # before the conversion, to fail early
         qlitert.check_path(path, overwrite=overwrite)

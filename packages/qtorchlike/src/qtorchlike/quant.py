@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from qtorchlike import core
 from qtorchlike.inject import ExtendedInjector, value
 from qtorchlike.solver import (
     FloatToIntImplType,
@@ -268,6 +269,152 @@ class Fp8e5m2ActPerTensorFloat(Fp8e4m3ActPerTensorFloat):
     mantissa_bit_width = 2
 
 
+# -- shifted (zero-point) and MSE quantizers (Brevitas' quant/shifted_scaled_int.py) -------
+
+
+class ShiftedMinUintQuant(UintQuant):
+    """Unsigned codes with an integer zero point from the weight's minimum, every call.
+
+    ``zero_point = clamp(round(-min(min(w), 0) / scale), 0, 2^bits - 1)``.
+    """
+
+    quantize_zero_point = True
+    zero_point_impl = core.StatsFromParameterZeroPoint
+    zero_point_stats_impl = core.NegativeMinOrZero
+
+
+class ShiftedParamFromPercentileUintQuant(UintQuant):
+    """Unsigned codes with a learned integer zero point from a low runtime percentile.
+
+    The statistic ``min(x_(k), 0)``, ``k = ceil(low_percentile_q/100 * n)``, is
+    collected like the scale (``collect_stats_steps``, momentum 0.1), then learned.
+    """
+
+    quantize_zero_point = True
+    zero_point_impl = core.ParameterFromRuntimeZeroPoint
+    zero_point_stats_impl = core.NegativePercentileOrZero
+    low_percentile_q = 0.001
+
+
+class MinMaxStatsScaling(ExtendedInjector):
+    """Threshold = ``|max(x) - min(min(x), 0)|``, recomputed on every call."""
+
+    scaling_impl_type = ScalingImplType.STATS
+    scaling_stats_op = StatsOp.MIN_MAX
+
+
+class ParamFromRuntimePercentileIntervalScaling(ExtendedInjector):
+    """``|p99.999(x) - min(p0.001(x), 0)|`` for 300 training steps, then learned."""
+
+    scaling_impl_type = ScalingImplType.PARAMETER_FROM_STATS
+    scaling_stats_op = StatsOp.PERCENTILE_INTERVAL
+    high_percentile_q = 99.999
+    low_percentile_q = 0.001
+    collect_stats_steps = 300
+    scaling_stats_momentum = 0.1
+
+
+class MSESymmetricScale(ExtendedInjector):
+    """A learned threshold initialised by Brevitas' MSE grid search from ``max|x|``.
+
+    20 candidates ``max|x| * (1/20 + 19/20 * t)``, ``t`` in ``{0, 1/19, ..., 1}``;
+    the first with the least sum of squared quantization errors wins. Weights
+    search once (at construction and on ``load_state_dict``), activations on each
+    of their ``collect_stats_steps`` training batches.
+    """
+
+    scaling_impl_type = ScalingImplType.PARAMETER_FROM_STATS
+    scaling_stats_impl = core.MSE
+    mse_init_op = core.AbsMax
+    mse_iters = 20
+    mse_search_method = "grid"
+
+
+class MSEAsymmetricScale(MSESymmetricScale):
+    """The MSE search from ``|max(x) - min(min(x), 0)|`` (for shifted quantizers)."""
+
+    mse_init_op = core.AbsMinMax
+
+
+class MSEWeightZeroPoint(ExtendedInjector):
+    """A learned weight zero point from an MSE search, at the searched scale.
+
+    The candidates run from ``min(min(w), 0)`` to a twentieth of it.
+    """
+
+    zero_point_impl = core.ParameterFromStatsFromParameterZeroPoint
+    zero_point_stats_impl = core.MSE
+
+
+class MSEActZeroPoint(ExtendedInjector):
+    """An activation zero point searched (MSE) on each collecting batch, then learned."""
+
+    zero_point_impl = core.ParameterFromRuntimeZeroPoint
+    zero_point_stats_impl = core.MSE
+
+
+class ShiftedUint8WeightPerTensorFloat(
+    ShiftedMinUintQuant, MinMaxStatsScaling, PerTensorFloatScaling8bit
+):
+    """uint8 weights, scale ``(max(w) - min(min(w), 0)) / 255``, zero point from ``min(w)``."""
+
+
+class ShiftedUint8WeightPerChannelFloat(
+    ShiftedMinUintQuant, MinMaxStatsScaling, PerChannelFloatScaling8bit
+):
+    """uint8 weights with a scale and a zero point per output channel."""
+
+
+class ShiftedUint8ActPerTensorFloat(
+    ShiftedParamFromPercentileUintQuant,
+    ParamFromRuntimePercentileIntervalScaling,
+    PerTensorFloatScaling8bit,
+):
+    """uint8 activations with a zero point: scale ``(p99.999 - min(p0.001, 0)) / 255``."""
+
+
+class ShiftedUint8ActPerTensorFixedPoint(
+    ShiftedParamFromPercentileUintQuant,
+    ParamFromRuntimePercentileIntervalScaling,
+    PerTensorPoTScaling8bit,
+):
+    """uint8 activations with a zero point and a learned power-of-two scale."""
+
+
+class Int8WeightPerTensorFloatMSE(MSESymmetricScale, Int8WeightPerTensorFloat):
+    """int8 weights, a learned per-tensor scale initialised by the MSE search."""
+
+
+class Int8WeightPerChannelFloatMSE(MSESymmetricScale, Int8WeightPerChannelFloat):
+    """int8 weights, learned per-channel scales initialised by the MSE search."""
+
+
+class Int8ActPerTensorFloatMSE(MSESymmetricScale, Int8ActPerTensorFloat):
+    """int8 activations, the MSE search on each collecting batch, then learned."""
+
+
+class Uint8ActPerTensorFloatMSE(MSESymmetricScale, Uint8ActPerTensorFloat):
+    """uint8 activations, the MSE search on each collecting batch, then learned."""
+
+
+class ShiftedUint8ActPerTensorFloatMSE(
+    MSEAsymmetricScale, MSEActZeroPoint, ShiftedUint8ActPerTensorFloat
+):
+    """uint8 activations, scale then zero point searched (MSE) per collecting batch."""
+
+
+class ShiftedUint8WeightPerTensorFloatMSE(
+    MSEAsymmetricScale, MSEWeightZeroPoint, ShiftedUint8WeightPerTensorFloat
+):
+    """uint8 weights, learned scale and zero point initialised by MSE searches."""
+
+
+class ShiftedUint8WeightPerChannelFloatMSE(
+    MSEAsymmetricScale, MSEWeightZeroPoint, ShiftedUint8WeightPerChannelFloat
+):
+    """uint8 weights, learned per-channel scales and zero points from MSE searches."""
+
+
 # -- biases -----------------------------------------------------------------------------
 
 
@@ -321,30 +468,49 @@ __all__ = [
     "Int4WeightPerGroupFloat",
     "Int8ActPerTensorFixedPoint",
     "Int8ActPerTensorFloat",
+    "Int8ActPerTensorFloatMSE",
     "Int8ActPerTensorFloatMinMaxInit",
     "Int8Bias",
     "Int8BiasPerTensorFloatInternalScaling",
     "Int8WeightPerChannelFixedPoint",
     "Int8WeightPerChannelFloat",
     "Int8WeightPerChannelFloatLSQ",
+    "Int8WeightPerChannelFloatMSE",
     "Int8WeightPerTensorFixedPoint",
     "Int8WeightPerTensorFloat",
+    "Int8WeightPerTensorFloatMSE",
     "IntBias",
     "IntQuant",
+    "MSEActZeroPoint",
+    "MSEAsymmetricScale",
+    "MSESymmetricScale",
+    "MSEWeightZeroPoint",
     "MaxStatsScaling",
+    "MinMaxStatsScaling",
     "NarrowIntQuant",
+    "ParamFromRuntimePercentileIntervalScaling",
     "ParamFromRuntimePercentileScaling",
     "ParamMinMaxInitScaling",
     "PerChannelFloatScaling8bit",
     "PerChannelPoTScaling8bit",
     "PerTensorFloatScaling8bit",
     "PerTensorPoTScaling8bit",
+    "ShiftedMinUintQuant",
+    "ShiftedParamFromPercentileUintQuant",
+    "ShiftedUint8ActPerTensorFixedPoint",
+    "ShiftedUint8ActPerTensorFloat",
+    "ShiftedUint8ActPerTensorFloatMSE",
+    "ShiftedUint8WeightPerChannelFloat",
+    "ShiftedUint8WeightPerChannelFloatMSE",
+    "ShiftedUint8WeightPerTensorFloat",
+    "ShiftedUint8WeightPerTensorFloatMSE",
     "SignedBinaryActPerTensorConst",
     "SignedBinaryWeightPerTensorConst",
     "SignedTernaryActPerTensorConst",
     "SignedTernaryWeightPerTensorConst",
     "Uint8ActPerTensorFixedPoint",
     "Uint8ActPerTensorFloat",
+    "Uint8ActPerTensorFloatMSE",
     "Uint8ActPerTensorFloatMaxInit",
     "UintQuant",
 ]

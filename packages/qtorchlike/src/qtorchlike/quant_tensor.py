@@ -138,7 +138,7 @@ class QuantTensor:
             "training": self.training,
         }
         fields.update(kw)
-        return QuantTensor(value, **fields)
+        return type(self)(value, **fields)  # a subclass (ShiftedQuantTensor) keeps its type
 
     # -- array-like --------------------------------------------------------------------
 

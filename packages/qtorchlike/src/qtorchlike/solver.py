@@ -64,11 +64,47 @@ class ScalingImplType(_StrEnum):
 
 
 class StatsOp(_StrEnum):
-    """The statistic behind a scale: the max, mean or a high percentile of ``|x|`` (Brevitas')."""
+    """The statistic behind a scale (Brevitas').
+
+    ``MAX``, ``AVE``, ``PERCENTILE``: the max, mean or a high percentile of ``|x|``.
+    ``MIN_MAX``: ``|max(x) - min(min(x), 0)|`` (``AbsMinMax``). ``PERCENTILE_INTERVAL``:
+    ``|x_(hk) - min(x_(lk), 0)|`` between a low and a high percentile of ``x``.
+    """
 
     MAX = "max"
     AVE = "ave"
     PERCENTILE = "percentile"
+    MIN_MAX = "min_max"
+    PERCENTILE_INTERVAL = "percentile_interval"
+
+
+class ZeroPointImplType(_StrEnum):
+    """Where a zero point comes from (the kinds of Brevitas' ``zero_point_impl`` classes).
+
+    ``ZERO``: none (``ZeroZeroPoint``). ``STATS``: a weight statistic on every call
+    (``StatsFromParameterZeroPoint``). ``PARAMETER_FROM_STATS``: a learned value
+    initialised from statistics, of the weight at construction
+    (``ParameterFromStatsFromParameterZeroPoint``) or of the first
+    ``collect_stats_steps`` training batches (``ParameterFromRuntimeZeroPoint``).
+    """
+
+    ZERO = "zero"
+    STATS = "stats"
+    PARAMETER_FROM_STATS = "parameter_from_stats"
+
+
+class ZeroPointStatsOp(_StrEnum):
+    """The statistic behind a zero point (Brevitas' ``zero_point_stats_impl``).
+
+    ``NEGATIVE_MIN_OR_ZERO``: ``min(min(x), 0)``. ``NEGATIVE_PERCENTILE_OR_ZERO``:
+    ``min(x_(k), 0)``, ``k = ceil(low_percentile_q/100 * n)``. ``MSE``: a grid search
+    between that minimum and a twentieth of it (see :class:`QuantSpec`).
+    The integer zero point is ``clamp(round(-stat / scale), 0, 2^bits - 1)``.
+    """
+
+    NEGATIVE_MIN_OR_ZERO = "negative_min_or_zero"
+    NEGATIVE_PERCENTILE_OR_ZERO = "negative_percentile_or_zero"
+    MSE = "mse"
 
 
 class RestrictValueType(_StrEnum):
@@ -104,6 +140,9 @@ ATTRIBUTES = frozenset({
     "scaling_per_output_type", "scaling_stats_momentum", "scaling_stats_op", "signed",
     "tensor_quant", "min_val", "max_val", "per_channel_broadcastable_shape",
     "scaling_stats_permute_dims", "quant_delay_steps", "threshold",
+    # zero points and MSE searches (Brevitas' Shifted* and *MSE quantizers)
+    "zero_point_impl", "zero_point_stats_impl", "low_percentile_q", "quantize_zero_point",
+    "scaling_stats_impl", "mse_init_op", "mse_iters", "mse_search_method",
 })  # fmt: skip
 
 _FP_TYPES = {(4, 3): "float8_e4m3fn", (5, 2): "float8_e5m2", (2, 1): "float4_e2m1fn"}
@@ -143,6 +182,15 @@ class QuantSpec:
         quant_delay_steps: Calls that return the input unquantized before
             quantization starts (Brevitas' ``DelayWrapper``; 0: none).
         int_scaling: The threshold is divided by this to give the scale.
+        zero_point: Where the zero point comes from (``ZERO``: none).
+        zero_point_stats: The zero point's statistic (None without a zero point).
+        low_percentile: ``low_percentile_q`` of ``PERCENTILE_INTERVAL`` and
+            ``NEGATIVE_PERCENTILE_OR_ZERO`` (Brevitas' default 0.001).
+        mse: The threshold is Brevitas' MSE grid search, started from ``stats_op``
+            (``MAX``, or ``MIN_MAX`` for shifted quantizers): ``mse_iters``
+            candidates from a ``1/mse_iters`` fraction of it up to it, keeping the
+            first with the least sum of squared quantization errors.
+        mse_iters: Candidates of the MSE search (Brevitas' ``mse_iters``, 20).
     """
 
     name: str
@@ -168,6 +216,11 @@ class QuantSpec:
     threshold: float
     quant_delay_steps: int
     int_scaling: float
+    zero_point: ZeroPointImplType = ZeroPointImplType.ZERO
+    zero_point_stats: ZeroPointStatsOp | None = None
+    low_percentile: float = 0.001
+    mse: bool = False
+    mse_iters: int = 20
 
 
 def _get(q: type, name: str, default: Any = inject._MISSING) -> Any:
@@ -326,6 +379,12 @@ def solve(q: type) -> QuantSpec:
     rounding = FloatToIntImplType.parse(
         _get(q, "float_to_int_impl_type", FloatToIntImplType.ROUND), f"{name}.float_to_int"
     )
+    stats_op = StatsOp.parse(_get(q, "scaling_stats_op", StatsOp.MAX), f"{name}.stats_op")
+    zero_point, mse = _solve_zero_point_and_mse(q, quant_type, signed, scaling, restrict, per)
+    if mse["mse"]:
+        stats_op = mse.pop("init_op")
+    else:
+        mse.pop("init_op")
     return QuantSpec(
         name=name,
         quant_type=quant_type,
@@ -335,7 +394,7 @@ def solve(q: type) -> QuantSpec:
         narrow_range=narrow,
         scaling=scaling,
         scaling_value=scaling_value,
-        stats_op=StatsOp.parse(_get(q, "scaling_stats_op", StatsOp.MAX), f"{name}.stats_op"),
+        stats_op=stats_op,
         percentile=percentile,
         per=per,
         group_size=group_size,
@@ -356,4 +415,104 @@ def solve(q: type) -> QuantSpec:
             q, "quant_delay_steps", _get(q, "quant_delay_steps", None) or 0, 0, 1 << 30
         ),
         int_scaling=int_scaling,
+        **zero_point,
+        **mse,
+    )
+
+
+def _kind(q: type, attr: str, enum: type[_StrEnum], default: Any) -> Any:
+    """The enum value of attribute ``attr`` (``default`` when unset).
+
+    The attribute is an implementation marker (``zero_point_impl =
+    StatsFromParameterZeroPoint``, whose kind counts), an enum member or its string.
+    """
+    if not inject.has(q, attr):
+        return default
+    raw = _get(q, attr)
+    if raw is None:
+        return default
+    kind = getattr(raw, "kind", raw)
+    return enum.parse(kind, f"{q.__name__}.{attr}")
+
+
+def _solve_zero_point_and_mse(
+    q: type,
+    quant_type: QuantType,
+    signed: bool | None,
+    scaling: ScalingImplType,
+    restrict: RestrictValueType,
+    per: ScalingPerOutputType,
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The zero-point and MSE fields of a :class:`QuantSpec`, checked.
+
+    What qtorchlike implements of Brevitas' shifted and MSE quantizers: integer
+    zero points (``quantize_zero_point=True``) on unsigned integer codes, per tensor
+    or per channel; MSE grid searches (``mse_search_method="grid"``) for float
+    scales learned from statistics. Anything else is refused here, by name.
+    """
+    name = q.__name__
+    zp = _kind(q, "zero_point_impl", ZeroPointImplType, ZeroPointImplType.ZERO)
+    zp_stats = _kind(q, "zero_point_stats_impl", ZeroPointStatsOp, None)
+    low = float(_get(q, "low_percentile_q", 0.001))
+    if not 0 <= low < 100:
+        raise ValueError(f"{name}.low_percentile_q={low!r} must be in [0, 100)")
+    scaling_stats = _get(q, "scaling_stats_impl", None)
+    mse = scaling_stats is not None
+    if mse and getattr(scaling_stats, "kind", scaling_stats) != ZeroPointStatsOp.MSE:
+        raise ValueError(
+            f"{name}.scaling_stats_impl={scaling_stats!r}: only qtorchlike.core.MSE is "
+            "supported here; other statistics are chosen with scaling_stats_op"
+        )
+    if zp is not ZeroPointImplType.ZERO:
+        if zp_stats is None:
+            raise ValueError(f"{name}.zero_point_impl needs zero_point_stats_impl")
+        if quant_type is not QuantType.INT or signed is not False:
+            raise ValueError(
+                f"{name}: a zero point needs unsigned integer codes (signed=False, as "
+                f"Brevitas' Shifted* quantizers); got quant_type={quant_type.value}, "
+                f"signed={signed}"
+            )
+        if not _get(q, "quantize_zero_point", True):
+            raise ValueError(
+                f"{name}.quantize_zero_point=False (a float zero point) is not supported; "
+                "qtorchlike implements integer zero points only (quantize_zero_point=True)"
+            )
+        if per is ScalingPerOutputType.GROUP:
+            raise ValueError(f"{name}: zero points are per tensor or per channel, not per group")
+        if zp_stats is ZeroPointStatsOp.MSE and not mse:
+            raise ValueError(
+                f"{name}: an MSE zero point (zero_point_stats_impl=MSE) needs an MSE scale "
+                "(scaling_stats_impl=MSE, e.g. the MSEAsymmetricScale mixin)"
+            )
+    if mse:
+        method = _get(q, "mse_search_method", "grid")
+        if method != "grid":
+            raise ValueError(
+                f"{name}.mse_search_method={method!r}: only 'grid' (Brevitas' default for "
+                "its MSE quantizers) is implemented"
+            )
+        if restrict is not RestrictValueType.FP:
+            raise ValueError(
+                f"{name}: an MSE search of a {restrict.value} scale (e.g. power-of-two, the "
+                "*FixedPointMSE quantizers) is not implemented; allowed: "
+                "restrict_scaling_type=FP"
+            )
+        if quant_type is not QuantType.INT or scaling is not ScalingImplType.PARAMETER_FROM_STATS:
+            raise ValueError(
+                f"{name}: the MSE search needs integer codes and "
+                f"scaling_impl_type=PARAMETER_FROM_STATS; got {quant_type.value}, {scaling.value}"
+            )
+        if per is ScalingPerOutputType.GROUP:
+            raise ValueError(f"{name}: MSE scales are per tensor or per channel, not per group")
+    init = _kind(q, "mse_init_op", StatsOp, StatsOp.MAX)
+    if mse and init not in (StatsOp.MAX, StatsOp.MIN_MAX):
+        raise ValueError(f"{name}.mse_init_op={init.value!r}: allowed: MAX, MIN_MAX")
+    iters = _int(q, "mse_iters", _get(q, "mse_iters", 20), 2, 1 << 16)
+    return (
+        {
+            "zero_point": zp,
+            "zero_point_stats": zp_stats if zp is not ZeroPointImplType.ZERO else None,
+            "low_percentile": low,
+        },
+        {"mse": mse, "mse_iters": iters, "init_op": init},
     )

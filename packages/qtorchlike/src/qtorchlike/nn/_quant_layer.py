@@ -29,6 +29,12 @@ from qtorchlike._proxy import (
     has_quant,
     is_quant,
 )
+from qtorchlike._zero_point import (
+    has_zero_point,
+    make_act_proxy,
+    make_weight_proxy,
+    may_have_zero_point,
+)
 from qtorchlike.nn.module import Module, Parameter
 from qtorchlike.quant_tensor import QuantTensor
 from qtorchlike.solver import ATTRIBUTES, QuantSpec
@@ -146,6 +152,8 @@ def weight_proxy(
         return shared
     q = _injector(quant, overrides, "weight_quant", type(layer).__name__)
     cls = _proxy_class(q, WeightQuantProxy, "weight_quant")
+    if q is not None and cls is WeightQuantProxy:
+        return make_weight_proxy(q, layer, channel_axis, input_axis)  # maybe a zero point's
     return cls(q, layer, channel_axis, input_axis)
 
 
@@ -155,7 +163,10 @@ def act_proxy(quant: Any, overrides: dict, arg: str, layer: str = "") -> ActQuan
     if shared is not None:
         return shared
     q = _injector(quant, overrides, arg, layer)
-    return _proxy_class(q, ActQuantProxy, arg)(q)
+    cls = _proxy_class(q, ActQuantProxy, arg)
+    if q is not None and cls is ActQuantProxy:
+        return make_act_proxy(q)  # maybe a zero point's
+    return cls(q)
 
 
 def bias_proxy(quant: Any, overrides: dict, layer: str = "") -> BiasQuantProxy:
@@ -313,10 +324,17 @@ class QuantWBIOL(Module):
         return None
 
     def _integer_operands(self) -> bool:
-        """Whether this layer's own quantizers give integer codes of at most 8 bits."""
+        """Whether this layer's own quantizers give integer codes of at most 8 bits.
+
+        Codes with a zero point do not qualify: the integer path multiplies codes.
+        """
         proxies = (self.input_quant, self.weight_quant)
         return all(
-            p.is_quant_enabled and is_quant(p.spec) and p.spec.bit_width <= 8 for p in proxies
+            p.is_quant_enabled
+            and is_quant(p.spec)
+            and p.spec.bit_width <= 8
+            and not has_zero_point(p.spec)
+            for p in proxies
         )
 
     def _channel_shape(self, ndim: int, n: int) -> tuple[int, ...]:
@@ -358,6 +376,8 @@ class QuantWBIOL(Module):
                 bq = bias
             bv = bq.value if isinstance(bq, QuantTensor) else bq
             y = y + bv.reshape(self._channel_shape(y.ndim, bv.shape[0]))
+        if both:
+            _refuse_zero_point_output(self, xq, wq)
         n = y.shape[self._out_channel_dim % y.ndim]
         per_channel = isinstance(wq, QuantTensor) and wq.scale.size in (1, n)
         if both and per_channel and _zero_point_free(xq) and _zero_point_free(wq):
@@ -386,8 +406,27 @@ def _finite(scale: Any) -> bool:
 
 
 def _zero_point_free(q: QuantTensor) -> bool:
-    zp = q.zero_point
-    try:
-        return not bool(jnp.any(zp != 0))
-    except Exception:
-        return True  # traced: proxies here always produce zero zero-points
+    # By value when concrete; under tracing, by type: only the zero-point quantizers
+    # (ShiftedQuantTensor) give nonzero zero points (a float bias's shifted grid on a
+    # layer's output is known only by value).
+    return not may_have_zero_point(q)
+
+
+def _refuse_zero_point_output(layer: Any, xq: QuantTensor, wq: QuantTensor) -> None:
+    """A layer fed codes with a zero point computes in float and has no output grid.
+
+    Brevitas raises there too ("Computing zero point of output accumulator not
+    supported yet"); the float result itself is exact.
+    """
+    if not layer.return_quant_tensor or layer.output_quant is not None:
+        return
+    for what, q in (("input", xq), ("weight", wq)):
+        if may_have_zero_point(q):
+            proxy = layer.input_quant if what == "input" else layer.weight_quant
+            source = f" ({proxy.spec.name})" if proxy is not None else ""
+            raise ValueError(
+                f"{type(layer).__name__}(return_quant_tensor=True): its {what}{source} has a "
+                "zero point, so the accumulator has no integer grid to return (Brevitas "
+                "raises too); set output_quant=... to requantize the output, or "
+                "return_quant_tensor=False for the float result"
+            )
