@@ -364,6 +364,13 @@ class ZeroPointWeightQuantProxy(_ZeroPointQuantize, WeightQuantProxy):
         else:
             self.zero_point_value = Parameter(low)
 
+    def zero_point(self) -> jax.Array | None:
+        """The zero point of the (first) weight it serves (None when not quantizing)."""
+        if not self.is_quant_enabled:
+            return None
+        w, c, i = self._weights()[0]
+        return self.zero_point_for(w, self.scale_for(w, c, i), c)
+
     def zero_point_for(self, w: jax.Array, scale: jax.Array, c: int = 0) -> jax.Array | None:
         """The integer zero point (the scale's shape) for weight ``w`` at ``scale``."""
         spec = self.spec
@@ -451,6 +458,10 @@ class ZeroPointActQuantProxy(_ZeroPointQuantize, ActQuantProxy):
         super().finish_collection()
         if "zero_point_running" in self._buffers:
             self.zero_point_value = self.zero_point_running
+
+    def zero_point(self) -> jax.Array | None:
+        """The zero point an eval-mode call would use now (None when not quantizing)."""
+        return self.eval_zero_point() if self.is_quant_enabled else None
 
     def eval_zero_point(self) -> jax.Array | None:
         """The evaluation-mode integer zero point (None without one)."""
