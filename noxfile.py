@@ -34,6 +34,12 @@ PEER_DIR = os.path.join(".nox", "litert-peer-files")
 MODEL_LIBS = ["gemma==3.3.0", "protobuf>=7"]
 # What examples/ needs beyond the packages (the integration tests run the demo).
 DEMO_DEPS = ["matplotlib", "scikit-learn"]
+# Brevitas, the reference for qtorchlike's parity fixtures, and the torch they were
+# recorded with (float32 outputs can move by a rounding step between torch releases),
+# installed in this order by the brevitas_reference session alone. That session uses
+# pip (venv_backend="venv"): pip picks the CPU-only torch 2.13.0 wheel these machines
+# provide to it, where uv would download the multi-GB CUDA build.
+BREVITAS = ["torch==2.13.0", "brevitas==0.13.4"]
 
 # Every package under packages/, mapped to the local packages it depends on
 # (in install order). Adding a package is one line here, e.g.
@@ -217,3 +223,41 @@ def litert_peer(session: nox.Session) -> None:
     """
     session.install(PEER)
     session.run("python", "benchmarks/litert_peer.py", *(session.posargs or [PEER_DIR]))
+
+
+@nox.session(python=PYTHON, venv_backend="venv")
+def brevitas_reference(session: nox.Session) -> None:
+    """Record real Brevitas' outputs as qtorchlike's parity fixtures; not default.
+
+    Its own venv, without this repository's packages. Runs
+    packages/qtorchlike/peer/brevitas_reference.py, which writes
+    packages/qtorchlike/tests/fixtures/brevitas_reference.{npz,json} (or into the
+    directory given after ``--``); tests/test_brevitas_parity.py reads them with NumPy.
+    """
+    torch, brevitas = BREVITAS
+    session.install(torch)
+    session.install(brevitas, "numpy")
+    session.run("python", "packages/qtorchlike/peer/brevitas_reference.py", *session.posargs)
+
+
+@nox.session(python=PYTHON, venv_backend="venv")
+def brevitas_notebooks(session: nox.Session) -> None:
+    """Run Brevitas' tutorial notebooks and two of its test files on Brevitas and qtorchlike.
+
+    Not default, and not in CI: it needs a Brevitas checkout, given after ``--``
+    (``nox -s brevitas_notebooks -- /path/to/brevitas``), and the
+    ``tests(qtorchlike)`` venv for the qtorchlike side. Prints the cells that match
+    (packages/qtorchlike/peer/README.md).
+    """
+    if not session.posargs:
+        session.error("give a Brevitas checkout: nox -s brevitas_notebooks -- /path/to/brevitas")
+    torch, brevitas = BREVITAS
+    session.install(torch)
+    session.install(brevitas, "numpy", "pytest")
+    python = os.path.join(session.bin, "python")
+    repo, *rest = session.posargs
+    out = os.path.join(".nox", "brevitas-notebooks")
+    session.run(
+        "python", "packages/qtorchlike/peer/notebooks.py", "--brevitas-repo", repo,
+        "--brevitas-python", python, "--out", out, *rest,
+    )  # fmt: skip

@@ -131,7 +131,8 @@ def _extended(spec: QuantSpec) -> bool:
 
 def make_weight_proxy(q: type, layer: Module, channel_axis: int, input_axis: int) -> Any:
     """The weight proxy quantizer class ``q`` needs."""
-    cls = ZeroPointWeightQuantProxy if _extended(solve(q)) else WeightQuantProxy
+    # ``module`` (the layer) for @value functions that ask for it, as the proxy gives.
+    cls = ZeroPointWeightQuantProxy if _extended(solve(q.let(module=layer))) else WeightQuantProxy
     return cls(q, layer, channel_axis, input_axis)
 
 

@@ -389,7 +389,10 @@ class QuantWBIOL(Module):
             if isinstance(bq, QuantTensor) and spec_of(self.bias_quant).requires_input_scale:
                 bits = jnp.maximum(bits, bq.bit_width) + 1
             elif bq is not None:
-                # A float (or separately scaled) bias shifts the integer grid.
+                # A float (or separately scaled) bias shifts the integer grid; a
+                # quantized one still adds its bit, as in Brevitas.
+                if isinstance(bq, QuantTensor):
+                    bits = jnp.maximum(bits, bq.bit_width) + 1
                 bv = bq.value if isinstance(bq, QuantTensor) else bq
                 zp = -bv.reshape(self._channel_shape(y.ndim, bv.shape[0])) / scale
             signed = bool(xq.signed or wq.signed)
@@ -418,12 +421,12 @@ def _refuse_zero_point_output(layer: Any, xq: QuantTensor, wq: QuantTensor) -> N
     Brevitas raises there too ("Computing zero point of output accumulator not
     supported yet"); the float result itself is exact.
     """
-    if not layer.return_quant_tensor or layer.output_quant is not None:
+    if not layer.return_quant_tensor or has_quant(layer.output_quant):
         return
     for what, q in (("input", xq), ("weight", wq)):
         if may_have_zero_point(q):
             proxy = layer.input_quant if what == "input" else layer.weight_quant
-            source = f" ({proxy.spec.name})" if proxy is not None else ""
+            source = f" ({proxy.spec.name})" if has_quant(proxy) else ""
             raise ValueError(
                 f"{type(layer).__name__}(return_quant_tensor=True): its {what}{source} has a "
                 "zero point, so the accumulator has no integer grid to return (Brevitas "
