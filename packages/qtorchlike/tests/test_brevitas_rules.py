@@ -128,8 +128,8 @@ def test_he_scaling_for_weights_and_refused_for_activations():
     [
         (lambda: qnn.QuantIdentity(foo_bar=1), ("QuantIdentity()", "'foo_bar'", "act_quant")),
         (
-            lambda: qnn.QuantConv2d(1, 2, 3, weight_scaling_min_val=1e-3),
-            ("QuantConv2d()", "'weight_scaling_min_val'", "weight_quant"),
+            lambda: qnn.QuantConv2d(1, 2, 3, weight_scaling_foo=1e-3),
+            ("QuantConv2d()", "'weight_scaling_foo'", "weight_quant"),
         ),
         (
             lambda: qnn.QuantLinear(2, 2, output_foo=1),
@@ -146,3 +146,38 @@ def test_an_unknown_quantizer_keyword_names_the_key_the_quantizer_and_the_layer(
         build()
     for word in words:
         assert word in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    "build, words",
+    [
+        (
+            lambda: qnn.QuantIdentity(bit_width_impl_type="parameter"),
+            ("QuantIdentity(): act_quant:", "bit_width_impl_type='parameter'", "'const'"),
+        ),
+        (
+            lambda: qnn.QuantConv2d(1, 2, 3, weight_affine_rescaling=True),
+            ("QuantConv2d(): weight_quant:", "affine_rescaling=True"),
+        ),
+        (
+            lambda: qnn.QuantLinear(
+                2, 2, bias_quant=Int8WeightPerTensorFloat.let(scaling_min_val=-1.0)
+            ),
+            ("QuantLinear(): bias_quant:", "scaling_min_val=-1.0"),
+        ),
+    ],
+)
+def test_a_brevitas_setting_qtorchlike_does_not_implement_is_refused_naming_key_and_layer(
+    build, words
+):
+    with pytest.raises(ValueError) as caught:
+        build()
+    for word in words:
+        assert word in str(caught.value)
+
+
+def test_scaling_min_val_bounds_the_threshold():
+    ident = qnn.QuantIdentity(scaling_min_val=0.5, return_quant_tensor=True)
+    assert float(ident(jnp.linspace(-0.1, 0.1, 9)).scale) == 0.5 / 128
+    plain = qnn.QuantIdentity(return_quant_tensor=True)
+    assert float(plain(jnp.linspace(-0.1, 0.1, 9)).scale) == np.float32(0.1) / 128

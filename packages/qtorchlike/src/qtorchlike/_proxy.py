@@ -152,6 +152,9 @@ def to_scale(
     int_scaling``, the threshold not rounded (Brevitas' scale while it collects
     statistics).
     """
+    if spec.scaling_min_val is not None:  # Brevitas' clamp of the threshold
+        floor = math.log2(max(spec.scaling_min_val, 1e-45)) if log_domain else spec.scaling_min_val
+        threshold = jnp.maximum(threshold, floor)
     if not restrict or spec.restrict is not RestrictValueType.POWER_OF_TWO:
         t = jnp.exp2(threshold) if log_domain else threshold
         # An all-zero block gives threshold 0: fall back to scale 1 (qcore's rule).

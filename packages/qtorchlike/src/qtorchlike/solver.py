@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 from typing import Any
 
 import numpy as np
@@ -139,7 +140,8 @@ ATTRIBUTES = frozenset({
     "scaling_impl_type", "scaling_init", "scaling_per_output_channel",
     "scaling_per_output_type", "scaling_stats_momentum", "scaling_stats_op", "signed",
     "tensor_quant", "min_val", "max_val", "per_channel_broadcastable_shape",
-    "scaling_stats_permute_dims", "quant_delay_steps", "threshold",
+    "scaling_stats_permute_dims", "quant_delay_steps", "threshold", "scaling_min_val",
+    "bit_width_impl_type", "affine_rescaling",
     # zero points and MSE searches (Brevitas' Shifted* and *MSE quantizers)
     "zero_point_impl", "zero_point_stats_impl", "low_percentile_q", "quantize_zero_point",
     "scaling_stats_impl", "mse_init_op", "mse_iters", "mse_search_method",
@@ -182,6 +184,8 @@ class QuantSpec:
         quant_delay_steps: Calls that return the input unquantized before
             quantization starts (Brevitas' ``DelayWrapper``; 0: none).
         int_scaling: The threshold is divided by this to give the scale.
+        scaling_min_val: The threshold's lower bound (Brevitas' clamp; None: an
+            all-zero block's threshold falls back to ``int_scaling``, scale 1).
         zero_point: Where the zero point comes from (``ZERO``: none).
         zero_point_stats: The zero point's statistic (None without a zero point).
         low_percentile: ``low_percentile_q`` of ``PERCENTILE_INTERVAL`` and
@@ -216,6 +220,7 @@ class QuantSpec:
     threshold: float
     quant_delay_steps: int
     int_scaling: float
+    scaling_min_val: float | None = None
     zero_point: ZeroPointImplType = ZeroPointImplType.ZERO
     zero_point_stats: ZeroPointStatsOp | None = None
     low_percentile: float = 0.001
@@ -277,6 +282,32 @@ def _channel_shape(q: type, per: ScalingPerOutputType) -> tuple[Any, Any]:
                 "in order"
             )
     return shape, axis
+
+
+def _scaling_min_val(q: type) -> float | None:
+    """``scaling_min_val`` checked, after refusing the settings qtorchlike does not implement.
+
+    Brevitas honours ``bit_width_impl_type="parameter"`` (a learned bit width) and
+    ``affine_rescaling=True``; qtorchlike refuses them rather than ignore them.
+    """
+    name = q.__name__
+    bits_impl = _get(q, "bit_width_impl_type", "const")
+    if str(getattr(bits_impl, "name", bits_impl)).lower() != "const":
+        raise ValueError(
+            f"{name}.bit_width_impl_type={bits_impl!r}: learned bit widths are not implemented; "
+            "allowed: 'const' (a fixed bit_width)"
+        )
+    if _get(q, "affine_rescaling", False):
+        raise ValueError(
+            f"{name}.affine_rescaling=True: an affine rescaling of the scale is not "
+            "implemented; allowed: False"
+        )
+    low = _get(q, "scaling_min_val", None)
+    if low is None:
+        return None
+    if isinstance(low, bool) or not isinstance(low, int | float) or not 0 <= low < math.inf:
+        raise ValueError(f"{name}.scaling_min_val={low!r} must be a number >= 0 or None")
+    return float(low)
 
 
 def solve(q: type) -> QuantSpec:
@@ -415,6 +446,7 @@ def solve(q: type) -> QuantSpec:
             q, "quant_delay_steps", _get(q, "quant_delay_steps", None) or 0, 0, 1 << 30
         ),
         int_scaling=int_scaling,
+        scaling_min_val=_scaling_min_val(q),
         **zero_point,
         **mse,
     )

@@ -142,6 +142,16 @@ def _proxy_class(q: type | None, kind: type, arg: str) -> type:
     return cls
 
 
+def _naming(layer: str, arg: str, build: Any) -> Any:
+    """``build()``, its ValueError or DependencyError prefixed with the layer and argument."""
+    try:
+        return build()
+    except (ValueError, inject.DependencyError) as e:
+        if not layer or str(e).startswith(layer):
+            raise
+        raise type(e)(f"{layer}(): {arg}: {e}") from e
+
+
 def weight_proxy(
     layer: Module, quant: Any, overrides: dict, channel_axis: int = 0, input_axis: int = 1
 ) -> WeightQuantProxy:
@@ -153,8 +163,10 @@ def weight_proxy(
     q = _injector(quant, overrides, "weight_quant", type(layer).__name__)
     cls = _proxy_class(q, WeightQuantProxy, "weight_quant")
     if q is not None and cls is WeightQuantProxy:
-        return make_weight_proxy(q, layer, channel_axis, input_axis)  # maybe a zero point's
-    return cls(q, layer, channel_axis, input_axis)
+        cls = make_weight_proxy  # maybe a zero point's
+    return _naming(
+        type(layer).__name__, "weight_quant", lambda: cls(q, layer, channel_axis, input_axis)
+    )
 
 
 def act_proxy(quant: Any, overrides: dict, arg: str, layer: str = "") -> ActQuantProxy:
@@ -165,8 +177,8 @@ def act_proxy(quant: Any, overrides: dict, arg: str, layer: str = "") -> ActQuan
     q = _injector(quant, overrides, arg, layer)
     cls = _proxy_class(q, ActQuantProxy, arg)
     if q is not None and cls is ActQuantProxy:
-        return make_act_proxy(q)  # maybe a zero point's
-    return cls(q)
+        cls = make_act_proxy  # maybe a zero point's
+    return _naming(layer, arg, lambda: cls(q))
 
 
 def bias_proxy(quant: Any, overrides: dict, layer: str = "") -> BiasQuantProxy:
@@ -175,7 +187,8 @@ def bias_proxy(quant: Any, overrides: dict, layer: str = "") -> BiasQuantProxy:
     if shared is not None:
         return shared
     q = _injector(quant, overrides, "bias_quant", layer)
-    return _proxy_class(q, BiasQuantProxy, "bias_quant")(q)
+    cls = _proxy_class(q, BiasQuantProxy, "bias_quant")
+    return _naming(layer, "bias_quant", lambda: cls(q))
 
 
 def spec_of(proxy: QuantProxy | None) -> QuantSpec:
