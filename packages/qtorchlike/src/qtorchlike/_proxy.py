@@ -479,7 +479,10 @@ class WeightQuantProxy(QuantProxy):
             (m for m in layers if m is not None and m._parameters.get("weight") is w), None
         )
         _check_param(layer, "weight", w)
-        scale = self.scale_for(w, channel_axis, input_axis)
+        return self._quantize_weight(w, self.scale_for(w, channel_axis, input_axis), channel_axis)
+
+    def _quantize_weight(self, w: jax.Array, scale: jax.Array, channel_axis: int) -> QuantTensor:
+        """``w`` quantized with ``scale`` (a zero point's proxy adds it)."""
         return self._quantize(w, scale)
 
     def scale(self) -> jax.Array | None:

@@ -58,7 +58,6 @@ from qtorchlike import random
 from qtorchlike._proxy import (
     ActQuantProxy,
     WeightQuantProxy,
-    _check_param,
     _log_param,
     _poison,
     _running,
@@ -129,16 +128,17 @@ def _extended(spec: QuantSpec) -> bool:
     )
 
 
-def make_weight_proxy(q: type, layer: Module, channel_axis: int, input_axis: int) -> Any:
-    """The weight proxy quantizer class ``q`` needs."""
+def make_weight_proxy(q: Any, layer: Module, channel_axis: int, input_axis: int) -> Any:
+    """The weight proxy quantizer class ``q`` needs (a disabled one for None)."""
     # ``module`` (the layer) for @value functions that ask for it, as the proxy gives.
-    cls = ZeroPointWeightQuantProxy if _extended(solve(q.let(module=layer))) else WeightQuantProxy
-    return cls(q, layer, channel_axis, input_axis)
+    if q is not None and _extended(solve(q.let(module=layer))):
+        return ZeroPointWeightQuantProxy(q, layer, channel_axis, input_axis)
+    return WeightQuantProxy(q, layer, channel_axis, input_axis)
 
 
-def make_act_proxy(q: type) -> Any:
-    """The activation proxy quantizer class ``q`` needs."""
-    return ZeroPointActQuantProxy(q) if _extended(solve(q)) else ActQuantProxy(q)
+def make_act_proxy(q: type | None) -> Any:
+    """The activation proxy quantizer class ``q`` needs (a disabled one for None)."""
+    return ZeroPointActQuantProxy(q) if q is not None and _extended(solve(q)) else ActQuantProxy(q)
 
 
 # -- statistics of rows (blocks, n), float32, no gradient ------------------------------------
@@ -299,7 +299,7 @@ class ZeroPointWeightQuantProxy(_ZeroPointQuantize, WeightQuantProxy):
     """
 
     def __init__(self, quant: type, layer: Module, channel_axis: int = 0, input_axis: int = 1):
-        spec = solve(quant)
+        spec = solve(quant.let(module=layer))
         if spec.zero_point is ZeroPointImplType.PARAMETER_FROM_STATS and not spec.mse:
             # Brevitas' ParameterFromRuntimeZeroPoint is for activations.
             raise ValueError(
@@ -384,16 +384,8 @@ class ZeroPointWeightQuantProxy(_ZeroPointQuantize, WeightQuantProxy):
             low = self.zero_point_value
         return zero_point_int(low.reshape(scale.shape), scale, spec)
 
-    def forward(self, w: jax.Array, channel_axis: int = 0, input_axis: int = 1) -> Any:
-        """Returns ``w`` quantized (with its zero point) as a QuantTensor (``w`` when disabled)."""
-        if not self.enabled:
-            return w
-        layers = (ref() for ref, *_ in self._tracked)
-        layer = next(
-            (m for m in layers if m is not None and m._parameters.get("weight") is w), None
-        )
-        _check_param(layer, "weight", w)
-        scale = self.scale_for(w, channel_axis, input_axis)
+    def _quantize_weight(self, w: jax.Array, scale: jax.Array, channel_axis: int) -> Any:
+        """``w`` quantized with ``scale`` and its zero point."""
         return self._quantize_zp(w, scale, self.zero_point_for(w, scale, channel_axis))
 
 

@@ -162,7 +162,7 @@ def weight_proxy(
         return shared
     q = _injector(quant, overrides, "weight_quant", type(layer).__name__)
     cls = _proxy_class(q, WeightQuantProxy, "weight_quant")
-    if q is not None and cls is WeightQuantProxy:
+    if cls is WeightQuantProxy:
         cls = make_weight_proxy  # maybe a zero point's
     return _naming(
         type(layer).__name__, "weight_quant", lambda: cls(q, layer, channel_axis, input_axis)
@@ -176,7 +176,7 @@ def act_proxy(quant: Any, overrides: dict, arg: str, layer: str = "") -> ActQuan
         return shared
     q = _injector(quant, overrides, arg, layer)
     cls = _proxy_class(q, ActQuantProxy, arg)
-    if q is not None and cls is ActQuantProxy:
+    if cls is ActQuantProxy:
         cls = make_act_proxy  # maybe a zero point's
     return _naming(layer, arg, lambda: cls(q))
 
