@@ -11,8 +11,9 @@ same names work two ways:
 * inside a quantizer given to a layer, where they mean the same as the enum
   attributes (``quant_type``, ``scaling_impl_type``) and the two spellings mix.
 
-``IntQuant``, ``StatsFromParameterScaling`` and ``ParameterFromStatsScaling`` are
-names for layers only; build integer quantizers from :mod:`qtorchlike.quant`
+``IntQuant``, ``StatsFromParameterScaling``, ``ParameterFromStatsScaling`` and the
+zero-point and statistics names (``StatsFromParameterZeroPoint``, ``MSE``,
+``AbsMax``...) are names for layers' quantizers only; build integer quantizers from :mod:`qtorchlike.quant`
 (``Int8ActPerTensorFloat.tensor_quant`` is a :class:`RescalingIntQuant`).
 
 Example:
@@ -302,15 +303,24 @@ class AbsMinMax(_Marker, kind=StatsOp.MIN_MAX):
 
 
 __all__ = [
+    "AbsMax",
+    "AbsMinMax",
     "BinaryQuant",
     "ClampedBinaryQuant",
     "ConstScaling",
     "IntQuant",
+    "MSE",
+    "NegativeMinOrZero",
+    "NegativePercentileOrZero",
+    "ParameterFromRuntimeZeroPoint",
+    "ParameterFromStatsFromParameterZeroPoint",
     "ParameterFromStatsScaling",
     "ParameterScaling",
     "RescalingIntQuant",
     "StatsFromParameterScaling",
+    "StatsFromParameterZeroPoint",
     "TensorQuant",
     "TernaryQuant",
+    "ZeroZeroPoint",
     "tensor_quant_of",
 ]
