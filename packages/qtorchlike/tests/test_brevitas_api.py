@@ -250,3 +250,19 @@ def test_markers_for_layers_only_say_what_to_use_instead():
     with pytest.raises(TypeError, match="Int8ActPerTensorFloat.tensor_quant"):
         IntQuant()
     assert qtorchlike.core.BinaryQuant.kind.name == "BINARY"
+
+
+def test_quant_tensor_transpose_and_permute_are_torchs():
+    qt = qnn.QuantIdentity(return_quant_tensor=True)(jnp.ones((4, 3, 2)))
+    assert qt.transpose(0, 1).shape == (3, 4, 2)
+    assert qt.transpose(1, 2).shape == (4, 2, 3)
+    assert qt.permute(2, 0, 1).shape == (2, 4, 3)
+    assert qt.permute((2, 0, 1)).shape == (2, 4, 3)
+    assert float(qt.transpose(0, 1).scale) == float(qt.scale)
+
+
+def test_proxies_say_whether_codes_are_signed_and_narrow():
+    lin = qnn.QuantLinear(3, 2, input_quant=Int8ActPerTensorFloat)
+    assert (lin.weight_quant.is_signed, lin.weight_quant.is_narrow_range) == (True, True)
+    assert (lin.input_quant.is_signed, lin.input_quant.is_narrow_range) == (True, False)
+    assert (lin.output_quant.is_signed, lin.output_quant.is_narrow_range) == (None, None)

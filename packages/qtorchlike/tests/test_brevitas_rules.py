@@ -181,3 +181,34 @@ def test_scaling_min_val_bounds_the_threshold():
     assert float(ident(jnp.linspace(-0.1, 0.1, 9)).scale) == 0.5 / 128
     plain = qnn.QuantIdentity(return_quant_tensor=True)
     assert float(plain(jnp.linspace(-0.1, 0.1, 9)).scale) == np.float32(0.1) / 128
+
+
+def test_weight_quant_delay_steps_passes_the_first_calls_through():
+    lin = qnn.QuantLinear(8, 3, weight_quant_delay_steps=2, weight_bit_width=2)
+    same = [bool(jnp.all(lin.quant_weight().value == lin.weight)) for _ in range(3)]
+    assert same == [True, True, False]
+
+
+def test_const_scaling_takes_scaling_init_and_says_what_it_needs():
+    ident = qnn.QuantIdentity(scaling_impl_type="const", scaling_init=0.5, return_quant_tensor=True)
+    assert float(ident(jnp.ones(3)).scale) == 0.5 / 128
+    lin = qnn.QuantLinear(3, 2, weight_scaling_impl_type="const", weight_scaling_init=0.05)
+    assert float(lin.quant_weight().scale) == np.float32(0.05 / 127)
+    with pytest.raises(DependencyError, match="CONST needs the constant: give scaling_init"):
+        qnn.QuantIdentity(scaling_impl_type="const")
+
+
+def test_power_of_two_scales_round_log2_to_nearest_except_fixed_point_quantizers():
+    # Brevitas: restrict_scaling_type=POWER_OF_TWO rounds log2 of the threshold to
+    # nearest (RoundSte); the *FixedPoint quantizers round it up (CeilSte).
+    from qtorchlike.nn.module import Parameter
+    from qtorchlike.quant import Int8WeightPerTensorFixedPoint
+
+    w = jnp.array([[5.3, -1.0, 0.02, 2.0]])  # log2(5.3) = 2.41
+    nearest = qnn.QuantLinear(4, 1, bias=False, weight_restrict_scaling_type="power_of_two")
+    up = qnn.QuantLinear(4, 1, bias=False, weight_quant=Int8WeightPerTensorFixedPoint)
+    for layer in (nearest, up):
+        layer.weight = Parameter(w)
+    assert float(nearest.quant_weight().scale) == 2.0**2 / 128
+    assert float(up.quant_weight().scale) == 2.0**3 / 128
+    assert nearest.quant_weight().int().tolist() == [[127, -32, 1, 64]]

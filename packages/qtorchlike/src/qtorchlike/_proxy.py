@@ -139,8 +139,12 @@ def _const_shape(spec: QuantSpec) -> tuple[int, ...]:
     return (1,) if spec.quant_type is QuantType.BINARY else ()
 
 
-def _ceil_ste(x: jax.Array) -> jax.Array:
-    return x + jax.lax.stop_gradient(jnp.ceil(x) - x)
+_POT_ROUNDING = {"round": jnp.round, "ceil": jnp.ceil, "floor": jnp.floor}
+
+
+def _round_log2_ste(x: jax.Array, how: str) -> jax.Array:
+    """``x`` (a log2) rounded as ``how`` says; the gradient passes straight through."""
+    return x + jax.lax.stop_gradient(_POT_ROUNDING[how](x) - x)
 
 
 def to_scale(
@@ -160,9 +164,11 @@ def to_scale(
         # An all-zero block gives threshold 0: fall back to scale 1 (qcore's rule).
         scale = jnp.where(t > 0, t, jnp.ones_like(t) * spec.int_scaling) / spec.int_scaling
     else:
-        # 2^ceil(log2 t) / int_scaling, int_scaling a power of two (Brevitas' CeilSte).
+        # 2^round(log2 t) / int_scaling, int_scaling a power of two; the fixed-point
+        # quantizers round up (Brevitas' CeilSte), others to nearest (RoundSte).
         log_t = threshold if log_domain else jnp.log2(jnp.maximum(threshold, 1e-30))
-        scale = jnp.exp2(_ceil_ste(log_t) - math.log2(spec.int_scaling))
+        log_t = _round_log2_ste(log_t, spec.pot_rounding)
+        scale = jnp.exp2(log_t - math.log2(spec.int_scaling))
     # A non-finite threshold (statistics of a NaN or inf block under jax.jit) gives a
     # NaN scale, never a finite fallback.
     return jnp.where(jnp.isfinite(threshold), scale, jnp.nan)
@@ -209,6 +215,22 @@ class QuantProxy(Module):
         self.spec: Any = spec
         self.enabled = quant is not None
 
+    def _start_delay(self) -> None:
+        """A ``delay`` buffer counting the calls left that pass their input through."""
+        if self.spec is not None and self.spec.quant_delay_steps:
+            self.register_buffer("delay", jnp.asarray(self.spec.quant_delay_steps, jnp.int32))
+
+    def _delayed(self, x: jax.Array, out: QuantTensor) -> QuantTensor:
+        """Brevitas' DelayWrapper: the first ``quant_delay_steps`` calls give ``x`` as is.
+
+        Every call counts, in any mode; the scale is computed all the same.
+        """
+        if "delay" not in self._buffers:
+            return out
+        delayed = self.delay > 0
+        self.delay = jnp.where(delayed, self.delay - 1, self.delay)
+        return out._like(jnp.where(delayed, x, out.value))
+
     @property
     def is_quant_enabled(self) -> bool:
         """Whether this proxy quantizes: it has a quantizer and is not disabled.
@@ -217,6 +239,16 @@ class QuantProxy(Module):
         this is False, as in Brevitas.
         """
         return self.spec is not None and bool(self.enabled)
+
+    @property
+    def is_signed(self) -> bool | None:
+        """Whether the codes are signed (None when not quantizing)."""
+        return None if not self.is_quant_enabled else self.spec.signed
+
+    @property
+    def is_narrow_range(self) -> bool | None:
+        """Whether signed codes skip their most negative value (None when not quantizing)."""
+        return None if not self.is_quant_enabled else self.spec.narrow_range
 
     def bit_width(self) -> jax.Array | None:
         """The codes' bit width (None when not quantizing)."""
@@ -330,6 +362,7 @@ class WeightQuantProxy(QuantProxy):
                 f"weight_quant={self.spec.name} needs an input scale (it is a bias "
                 "quantizer); use e.g. Int8WeightPerTensorFloat"
             )
+        self._start_delay()
         self.track(layer, channel_axis, input_axis)
 
     def track(self, layer: Module, channel_axis: int = 0, input_axis: int = 1) -> None:
@@ -479,7 +512,8 @@ class WeightQuantProxy(QuantProxy):
             (m for m in layers if m is not None and m._parameters.get("weight") is w), None
         )
         _check_param(layer, "weight", w)
-        return self._quantize_weight(w, self.scale_for(w, channel_axis, input_axis), channel_axis)
+        scale = self.scale_for(w, channel_axis, input_axis)
+        return self._delayed(w, self._quantize_weight(w, scale, channel_axis))
 
     def _quantize_weight(self, w: jax.Array, scale: jax.Array, channel_axis: int) -> QuantTensor:
         """``w`` quantized with ``scale`` (a zero point's proxy adds it)."""
@@ -527,8 +561,9 @@ class ActQuantProxy(QuantProxy):
         if spec.per is ScalingPerOutputType.CHANNEL and spec.channel_shape is None:
             raise inject.DependencyError(
                 f"act_quant={spec.name}: per-channel activation scales need "
-                "per_channel_broadcastable_shape (e.g. (1, C, 1, 1) for NCHW inputs) and "
-                "scaling_stats_permute_dims (e.g. (1, 0, 2, 3)), as in Brevitas"
+                "per_channel_broadcastable_shape (e.g. (1, C, 1, 1) for NCHW inputs), as in "
+                "Brevitas; scaling_stats_permute_dims, if given, must move that channel axis "
+                "first (e.g. (1, 0, 2, 3))"
             )
         if spec.requires_input_scale:
             raise ValueError(f"act_quant={spec.name} is a bias quantizer")
@@ -548,9 +583,7 @@ class ActQuantProxy(QuantProxy):
             self.value = Parameter(
                 jnp.full(shape, math.log2(init) if _log_param(spec) else init, jnp.float32)
             )
-        if spec.quant_delay_steps:
-            # Calls left that return the input unquantized (Brevitas counts every call).
-            self.register_buffer("delay", jnp.asarray(spec.quant_delay_steps, jnp.int32))
+        self._start_delay()
 
     def _scale_shape(self) -> tuple[int, ...]:
         """``()`` per tensor, ``per_channel_broadcastable_shape`` per channel (Brevitas')."""
@@ -712,13 +745,7 @@ class ActQuantProxy(QuantProxy):
             unrestricted = to_scale(t, self.spec, restrict=False).reshape(shape)
             scale = jnp.where(restricted, scale, unrestricted)
         out = self._quantize(xv, scale)
-        if "delay" in self._buffers:
-            # Brevitas' DelayWrapper: the first quant_delay_steps calls (in any mode)
-            # pass the input through, with the scale computed all the same.
-            delayed = self.delay > 0
-            out = out._like(jnp.where(delayed, xv, out.value))
-            self.delay = jnp.where(delayed, self.delay - 1, self.delay)
-        return out
+        return self._delayed(xv, out)
 
 
 class BiasQuantProxy(QuantProxy):

@@ -538,8 +538,4 @@ class ZeroPointActQuantProxy(_ZeroPointQuantize, ActQuantProxy):
             scale = jnp.where(restricted, scale, unrestricted)
         zp = None if low is None else zero_point_int(low, scale, self.spec)
         out = self._quantize_zp(xv, scale, zp)
-        if "delay" in self._buffers:
-            delayed = self.delay > 0
-            out = out._like(jnp.where(delayed, xv, out.value))
-            self.delay = jnp.where(delayed, self.delay - 1, self.delay)
-        return out
+        return self._delayed(xv, out)

@@ -13,8 +13,9 @@ same names work two ways:
 
 ``IntQuant``, ``StatsFromParameterScaling``, ``ParameterFromStatsScaling`` and the
 zero-point and statistics names (``StatsFromParameterZeroPoint``, ``MSE``,
-``AbsMax``...) are names for layers' quantizers only; build integer quantizers from :mod:`qtorchlike.quant`
-(``Int8ActPerTensorFloat.tensor_quant`` is a :class:`RescalingIntQuant`).
+``AbsMax``...) are names for layers' quantizers only; build integer quantizers
+from :mod:`qtorchlike.quant` (``Int8ActPerTensorFloat.tensor_quant`` is a
+:class:`RescalingIntQuant`).
 
 Example:
     >>> import jax.numpy as jnp

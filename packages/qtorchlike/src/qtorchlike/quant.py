@@ -108,12 +108,14 @@ class PerTensorPoTScaling8bit(PerTensorFloatScaling8bit):
     """One power-of-two scale per tensor (rounded up), 8 bits."""
 
     restrict_scaling_type = RestrictValueType.POWER_OF_TWO
+    restrict_value_float_to_int_impl = "ceil"  # Brevitas' CeilSte: never clip the max
 
 
 class PerChannelPoTScaling8bit(PerChannelFloatScaling8bit):
     """One power-of-two scale per output channel (rounded up), 8 bits."""
 
     restrict_scaling_type = RestrictValueType.POWER_OF_TWO
+    restrict_value_float_to_int_impl = "ceil"  # Brevitas' CeilSte: never clip the max
 
 
 # -- weights ----------------------------------------------------------------------------

@@ -321,9 +321,14 @@ class QuantTensor:
         new = (*shape[:start_dim], int(np.prod(shape[start_dim : end + 1])), *shape[end + 1 :])
         return self.reshape(new)
 
-    def transpose(self, *axes: int) -> Any:
-        """Permutes axes; stays a QuantTensor when the scale is per tensor."""
-        value = self.value.transpose(*axes)
+    def transpose(self, dim0: int, dim1: int) -> Any:
+        """Swaps two axes, as ``torch.Tensor.transpose``; stays a QuantTensor per tensor."""
+        value = jnp.swapaxes(self.value, dim0, dim1)
+        return self._like(value) if self.is_per_tensor else value
+
+    def permute(self, *dims: int) -> Any:
+        """Reorders the axes, as ``torch.Tensor.permute``; stays a QuantTensor per tensor."""
+        value = jnp.transpose(self.value, dims[0] if len(dims) == 1 else dims)
         return self._like(value) if self.is_per_tensor else value
 
     def __getitem__(self, index: Any) -> Any:

@@ -47,9 +47,10 @@ class QuantType(_StrEnum):
 class ScalingImplType(_StrEnum):
     """Where the scale comes from.
 
-    ``CONST``: ``scaling_const`` (activations without it: ``max(|min_val|,
-    |max_val|)``). ``HE``: weights only, the constant ``sqrt(2 / fan_in)`` (He's
-    initialisation; averaged over the weights a proxy serves). ``STATS``:
+    ``CONST``: ``scaling_init`` if given, else ``scaling_const`` (activations
+    without it: ``max(|min_val|, |max_val|)``). ``HE``: weights only, the
+    constant ``sqrt(2 / fan_in)`` (He's initialisation; averaged over the
+    weights a proxy serves). ``STATS``:
     statistics of the tensor, every call (weights) or running statistics
     (activations). ``PARAMETER``: a learned
     parameter starting at ``scaling_init``. ``PARAMETER_FROM_STATS``: a learned
@@ -141,7 +142,7 @@ ATTRIBUTES = frozenset({
     "scaling_per_output_type", "scaling_stats_momentum", "scaling_stats_op", "signed",
     "tensor_quant", "min_val", "max_val", "per_channel_broadcastable_shape",
     "scaling_stats_permute_dims", "quant_delay_steps", "threshold", "scaling_min_val",
-    "bit_width_impl_type", "affine_rescaling",
+    "bit_width_impl_type", "affine_rescaling", "restrict_value_float_to_int_impl",
     # zero points and MSE searches (Brevitas' Shifted* and *MSE quantizers)
     "zero_point_impl", "zero_point_stats_impl", "low_percentile_q", "quantize_zero_point",
     "scaling_stats_impl", "mse_init_op", "mse_iters", "mse_search_method",
@@ -184,6 +185,10 @@ class QuantSpec:
         quant_delay_steps: Calls that return the input unquantized before
             quantization starts (Brevitas' ``DelayWrapper``; 0: none).
         int_scaling: The threshold is divided by this to give the scale.
+        pot_rounding: How a power-of-two scale rounds ``log2`` of the threshold:
+            ``"round"`` (Brevitas' default for ``restrict_scaling_type=POWER_OF_TWO``),
+            ``"ceil"`` (its fixed-point quantizers: the threshold is never clipped) or
+            ``"floor"`` (``restrict_value_float_to_int_impl``).
         scaling_min_val: The threshold's lower bound (Brevitas' clamp; None: an
             all-zero block's threshold falls back to ``int_scaling``, scale 1).
         zero_point: Where the zero point comes from (``ZERO``: none).
@@ -221,6 +226,7 @@ class QuantSpec:
     quant_delay_steps: int
     int_scaling: float
     scaling_min_val: float | None = None
+    pot_rounding: str = "round"
     zero_point: ZeroPointImplType = ZeroPointImplType.ZERO
     zero_point_stats: ZeroPointStatsOp | None = None
     low_percentile: float = 0.001
@@ -310,6 +316,19 @@ def _scaling_min_val(q: type) -> float | None:
     return float(low)
 
 
+def _pot_rounding(q: type) -> str:
+    """``restrict_value_float_to_int_impl`` as ``"round"``, ``"ceil"`` or ``"floor"``."""
+    raw = _get(q, "restrict_value_float_to_int_impl", "round")
+    name = getattr(raw, "__name__", raw)
+    key = str(name).lower().removesuffix("ste") if isinstance(name, str) else None
+    if key not in ("round", "ceil", "floor"):
+        raise ValueError(
+            f"{q.__name__}.restrict_value_float_to_int_impl={raw!r}; allowed: 'round', 'ceil' "
+            "or 'floor' (Brevitas' RoundSte, CeilSte, FloorSte)"
+        )
+    return key
+
+
 def solve(q: type) -> QuantSpec:
     """Resolves quantizer class ``q`` into a :class:`QuantSpec`.
 
@@ -367,8 +386,17 @@ def solve(q: type) -> QuantSpec:
     scaling = ScalingImplType.parse(scaling, f"{name}.scaling_impl_type")
     scaling_value = None
     if scaling is ScalingImplType.CONST:
-        if inject.has(q, "scaling_const") or not inject.has(q, "max_val"):
+        # Brevitas' ConstScaling takes scaling_init when given; otherwise it is
+        # scaling_const, or for activations max(|min_val|, |max_val|).
+        if inject.has(q, "scaling_init"):
+            scaling_value = float(_get(q, "scaling_init"))
+        elif inject.has(q, "scaling_const"):
             scaling_value = float(_get(q, "scaling_const"))
+        elif not inject.has(q, "max_val"):
+            raise inject.DependencyError(
+                f"{name}: scaling_impl_type=CONST needs the constant: give scaling_init "
+                "(or scaling_const), or for activations max_val (and min_val)"
+            )
         else:  # Brevitas' activations: the larger bound (QuantReLU(max_val=6, ...))
             low = _get(q, "min_val", None)
             scaling_value = max(abs(float(low or 0.0)), abs(float(_get(q, "max_val"))))
@@ -447,6 +475,7 @@ def solve(q: type) -> QuantSpec:
         ),
         int_scaling=int_scaling,
         scaling_min_val=_scaling_min_val(q),
+        pot_rounding=_pot_rounding(q),
         **zero_point,
         **mse,
     )

@@ -149,7 +149,8 @@ def _naming(layer: str, arg: str, build: Any) -> Any:
     except (ValueError, inject.DependencyError) as e:
         if not layer or str(e).startswith(layer):
             raise
-        raise type(e)(f"{layer}(): {arg}: {e}") from e
+        what = "" if str(e).startswith(f"{arg}=") else f"{arg}: "
+        raise type(e)(f"{layer}(): {what}{e}") from e
 
 
 def weight_proxy(
