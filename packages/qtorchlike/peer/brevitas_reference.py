@@ -57,6 +57,8 @@ WEIGHT_QUANTS = [
     "ShiftedUint8WeightPerChannelFloat",
     "Int8WeightPerTensorFloatMSE",
     "Int8WeightPerChannelFloatMSE",
+    "ShiftedUint8WeightPerTensorFloatMSE",
+    "ShiftedUint8WeightPerChannelFloatMSE",
 ]
 # Weight quantizers also run at 4 bits (weight_bit_width=4).
 WEIGHT_4BIT = [
@@ -73,6 +75,7 @@ RUNTIME_ACT_QUANTS = {
     "Int8ActPerTensorFixedPoint": False,
     "Uint8ActPerTensorFixedPoint": True,
     "ShiftedUint8ActPerTensorFloat": True,
+    "ShiftedUint8ActPerTensorFixedPoint": True,
     "Int8ActPerTensorFloatMSE": False,
     "Uint8ActPerTensorFloatMSE": True,
     "ShiftedUint8ActPerTensorFloatMSE": True,

@@ -409,3 +409,23 @@ def test_matches_brevitas(name):
     report = Report(name)
     RUNNERS[case["kind"]](case, report)
     report.finish()
+
+
+# qtorchlike's names for what Brevitas spells with keywords: each must give the numbers
+# Brevitas gives for that spelling.
+SPELLED_WITH_KEYWORDS = {
+    "Int4WeightPerChannelFloat": "Int8WeightPerChannelFloat/weight_bit_width=4",
+    "Int8WeightPerChannelFloatLSQ": (
+        "Int8WeightPerChannelFloat/weight_scaling_impl_type=parameter_from_stats"
+    ),
+}
+
+
+@pytest.mark.parametrize("kind", ["conv", "linear"])
+@pytest.mark.parametrize("ours", list(SPELLED_WITH_KEYWORDS))
+def test_qtorchlike_names_give_brevitas_numbers_for_their_keyword_spelling(ours, kind):
+    case = dict(CASES[f"weight/{SPELLED_WITH_KEYWORDS[ours]}/{kind}"])
+    case["quantizer"], case["kwargs"] = ours, {}
+    report = Report(f"{ours} as {case['name']}")
+    run_weight(case, report)
+    report.finish()
