@@ -326,9 +326,11 @@ class QuantTensor:
         value = jnp.swapaxes(self.value, dim0, dim1)
         return self._like(value) if self.is_per_tensor else value
 
-    def permute(self, *dims: int) -> Any:
+    def permute(self, *dims: Any) -> Any:
         """Reorders the axes, as ``torch.Tensor.permute``; stays a QuantTensor per tensor."""
-        value = jnp.transpose(self.value, dims[0] if len(dims) == 1 else dims)
+        one = len(dims) == 1 and isinstance(dims[0], tuple | list)
+        order: tuple[int, ...] = tuple(dims[0]) if one else tuple(dims)
+        value = jnp.transpose(self.value, order)
         return self._like(value) if self.is_per_tensor else value
 
     def __getitem__(self, index: Any) -> Any:
