@@ -212,3 +212,34 @@ def test_power_of_two_scales_round_log2_to_nearest_except_fixed_point_quantizers
     assert float(nearest.quant_weight().scale) == 2.0**2 / 128
     assert float(up.quant_weight().scale) == 2.0**3 / 128
     assert nearest.quant_weight().int().tolist() == [[127, -32, 1, 64]]
+
+
+def test_a_per_channel_input_computes_in_float_and_exports_only_what_it_can():
+    # One scale per input channel: the sum over inputs has no single grid, so the layer
+    # computes in float (no integer path, no accumulator QuantTensor), a bias at input
+    # scale x weight scale is refused, and LiteRT export says why it cannot.
+    import qtorchlike
+    from qtorchlike.quant import Int32Bias
+
+    class PerChannelInput(Int8ActPerTensorFloat):
+        scaling_per_output_channel = True
+        per_channel_broadcastable_shape = (1, 4)
+
+    x = np.random.default_rng(5).normal(size=(8, 4)).astype(np.float32)
+    x *= np.array([1, 10, 0.1, 3], np.float32)
+    seq = qnn.Sequential(qnn.QuantLinear(4, 3, input_quant=PerChannelInput))
+    lin = seq[0]
+    lin(jnp.asarray(x))
+    lin.eval()
+    xq, wq = lin.input_quant(jnp.asarray(x)), lin.quant_weight()
+    assert xq.scale.shape == (1, 4)
+    want = np.asarray(xq.value, np.float64) @ np.asarray(wq.value, np.float64).T
+    want += np.asarray(lin.bias, np.float64)
+    np.testing.assert_allclose(np.asarray(lin(jnp.asarray(x))), want, rtol=1e-5, atol=1e-5)
+    assert qtorchlike.integer_state_dict(seq)["0"]["input_scale"].shape == (1, 4)
+    with pytest.raises(ValueError, match="4 scales .per channel."):
+        qnn.QuantLinear(4, 3, input_quant=PerChannelInput, bias_quant=Int32Bias)(jnp.asarray(x))
+    model = qnn.Sequential(qnn.QuantIdentity(act_quant=PerChannelInput), qnn.QuantLinear(4, 3))
+    model(jnp.asarray(x))
+    with pytest.raises(ValueError, match="per-channel scales of shape \\(1, 4\\); LiteRT"):
+        qtorchlike.export_tflite(model.eval(), x)

@@ -777,6 +777,13 @@ class BiasQuantProxy(QuantProxy):
                     "input_quant=... on the layer, feed it a QuantTensor, or use a bias "
                     "quantizer with its own scale"
                 )
+            if jnp.size(input_scale) != 1:
+                raise ValueError(
+                    f"bias_quant={spec.name} scales the bias by input scale x weight scale, "
+                    f"but the input has {jnp.size(input_scale)} scales (per channel), which "
+                    "give the sum no single grid: use a per-tensor input quantizer or a bias "
+                    "quantizer with its own scale (e.g. Int8BiasPerTensorFloatInternalScaling)"
+                )
             scale = jnp.reshape(input_scale, (-1,)) * jnp.reshape(weight_scale, (-1,))
             scale = jax.lax.stop_gradient(jnp.broadcast_to(scale, bias.shape))
         elif spec.scaling is ScalingImplType.CONST:

@@ -36,14 +36,14 @@ import numpy as np
 from jax import extend as jex
 from jax import lax
 
-from qtorchlike._proxy import ActQuantProxy, QuantProxy, WeightQuantProxy, has_quant, to_scale
+from qtorchlike._proxy import ActQuantProxy, QuantProxy, WeightQuantProxy, has_quant
 from qtorchlike._switches import Switches, check_model, proxies
 from qtorchlike._zero_point import ZeroPointActQuantProxy, has_zero_point
 from qtorchlike.func import functional_call
 from qtorchlike.nn._quant_layer import QuantWBIOL
 from qtorchlike.nn.module import Module, set_state
 from qtorchlike.quant_tensor import QuantTensor
-from qtorchlike.solver import QuantType
+from qtorchlike.solver import QuantType, ScalingPerOutputType
 
 __all__ = ["export_tflite", "integer_state_dict"]
 
@@ -57,7 +57,9 @@ def _prefixed(prefix: str, name: str) -> str:
 
 def _act_scale(proxy: ActQuantProxy) -> jax.Array:
     """The evaluation-mode scale of an activation quantizer (no statistics update)."""
-    return to_scale(jnp.asarray(proxy.threshold(None), jnp.float32), proxy.spec).reshape(())
+    scale = proxy.scale()
+    assert scale is not None  # callers pass enabled quantizers
+    return scale
 
 
 def _capture_biases(model: Module, args: tuple) -> dict[str, QuantTensor]:
@@ -196,16 +198,27 @@ def _act_zero_point(proxy: ActQuantProxy) -> np.ndarray:
     return np.zeros((), np.float32) if zp is None else np.asarray(zp, np.float32)
 
 
-def _refuse_zero_points(model: Module) -> None:
-    """export_tflite cannot express these zero points: a ValueError naming layer and quantizer.
+def _refuse_unexportable(model: Module) -> None:
+    """Quantizers export_tflite cannot express: a ValueError naming layer and quantizer.
 
     LiteRT's int8 weights are symmetric, and the converter would re-round shifted
     codes instead of keeping them; activation zero points are refused as well rather
-    than approximated.
+    than approximated. LiteRT's activations take one scale per tensor.
     """
     for name, m in model.named_modules():
         for child, proxy in m.named_children():
-            if isinstance(proxy, QuantProxy) and proxy.enabled and has_zero_point(proxy.spec):
+            if not (isinstance(proxy, QuantProxy) and proxy.is_quant_enabled):
+                continue
+            if (
+                isinstance(proxy, ActQuantProxy)
+                and proxy.spec.per is not ScalingPerOutputType.TENSOR
+            ):
+                raise ValueError(
+                    f"export_tflite: layer {name!r} has {child}={proxy.spec.name} with per-channel "
+                    f"scales of shape {proxy.spec.channel_shape}; LiteRT's activations take one "
+                    "scale per tensor: use a per-tensor activation quantizer"
+                )
+            if has_zero_point(proxy.spec):
                 raise ValueError(
                     f"export_tflite: layer {name!r} has {child}={proxy.spec.name}, whose codes "
                     "have a zero point; the LiteRT export supports zero-point-free (symmetric) "
@@ -269,7 +282,7 @@ def _site_range(name: str, proxy: ActQuantProxy) -> tuple[float, float]:
     int8 equivalent: their clipping range is kept, on the int8 grid.
     """
     spec = proxy.spec
-    s = float(_act_scale(proxy))
+    s = float(_act_scale(proxy).reshape(()))  # per tensor: _refuse_unexportable checked
     if spec.quant_type is QuantType.INT and spec.bit_width == 8:
         return (-128 * s, 127 * s) if spec.signed else (0.0, 255 * s)
     if spec.quant_type is QuantType.INT:
@@ -476,7 +489,7 @@ def export_tflite(
             f"value{'s' if bad != 1 else ''} (NaN or inf) of {example.size}; allowed: finite "
             "values (the export calibrates on it)"
         )
-    _refuse_zero_points(model)
+    _refuse_unexportable(model)
     qlitert = _import_qlitert()
     if path is not None:  # before the conversion, to fail early
         qlitert.check_path(path, overwrite=overwrite)

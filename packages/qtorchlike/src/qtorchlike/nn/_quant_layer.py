@@ -37,7 +37,7 @@ from qtorchlike._zero_point import (
 )
 from qtorchlike.nn.module import Module, Parameter
 from qtorchlike.quant_tensor import QuantTensor
-from qtorchlike.solver import ATTRIBUTES, QuantSpec
+from qtorchlike.solver import ATTRIBUTES, QuantSpec, ScalingPerOutputType
 
 
 def kaiming_uniform(key: jax.Array, shape: tuple[int, ...], fan_in: int) -> jax.Array:
@@ -340,7 +340,8 @@ class QuantWBIOL(Module):
     def _integer_operands(self) -> bool:
         """Whether this layer's own quantizers give integer codes of at most 8 bits.
 
-        Codes with a zero point do not qualify: the integer path multiplies codes.
+        Codes with a zero point do not qualify (the integer path multiplies codes),
+        nor an input with per-channel scales (the sum over input channels mixes them).
         """
         proxies = (self.input_quant, self.weight_quant)
         return all(
@@ -349,7 +350,7 @@ class QuantWBIOL(Module):
             and p.spec.bit_width <= 8
             and not has_zero_point(p.spec)
             for p in proxies
-        )
+        ) and (self.input_quant.spec.per is ScalingPerOutputType.TENSOR)
 
     def _channel_shape(self, ndim: int, n: int) -> tuple[int, ...]:
         shape = [1] * ndim
@@ -393,7 +394,9 @@ class QuantWBIOL(Module):
         if both:
             _refuse_zero_point_output(self, xq, wq)
         n = y.shape[self._out_channel_dim % y.ndim]
+        # An input with one scale per input channel leaves the sum with no single grid.
         per_channel = isinstance(wq, QuantTensor) and wq.scale.size in (1, n)
+        per_channel = per_channel and isinstance(xq, QuantTensor) and xq.scale.size == 1
         if both and per_channel and _zero_point_free(xq) and _zero_point_free(wq):
             scale = xq.scale.reshape(-1) * wq.scale.reshape(-1)
             scale = jnp.broadcast_to(scale, (n,)) if scale.size != 1 else scale
