@@ -49,6 +49,7 @@ PACKAGES: dict[str, list[str]] = {
     "qflax": ["qcore"],
     "qlitert": ["qcore"],
     "qtorchlike": ["qcore"],
+    "qort": ["qcore", "qflax"],
 }
 # Local packages a package's tests need beyond its own dependencies, installed from
 # packages/ like them (and named in the package's test dependency group).

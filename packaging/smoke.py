@@ -76,13 +76,30 @@ def qtorchlike_smoke() -> None:
     assert y.shape == (2, 4) and bool(jnp.all(jnp.isfinite(y)))
 
 
+def qort_smoke() -> None:
+    import flax.linen as nn  # noqa: PLC0415
+    import jax  # noqa: PLC0415
+
+    import qflax  # noqa: PLC0415
+    import qort  # noqa: PLC0415
+
+    x = jax.random.normal(jax.random.key(1), (4, 16))
+    rules = [qflax.QuantizationRule(weight_qtype="int8", act_qtype="int8")]
+    qmodel = qflax.quantize_model(nn.Dense(8), qflax.PtqProvider(rules))
+    variables = qmodel.init(jax.random.key(0), x)
+    exported = qort.export(qmodel, variables, x)
+    assert exported.report is not None and exported.report.integer_kernels == 1
+    y, ref = qort.Session(exported)(x), np.asarray(qmodel.apply(variables, x))
+    assert float(np.max(np.abs(y - ref))) < 1e-2 * float(np.max(np.abs(ref)))
+
+
 def main(package: str) -> int:
     module = importlib.import_module(package)
     location = Path(module.__file__ or "").resolve()
     sources = Path(__file__).resolve().parent.parent / "packages"
     assert "site-packages" in location.parts and sources not in location.parents, location
     {"qcore": qcore_smoke, "qflax": qflax_smoke, "qlitert": qlitert_smoke,
-     "qtorchlike": qtorchlike_smoke}[package]()  # fmt: skip
+     "qtorchlike": qtorchlike_smoke, "qort": qort_smoke}[package]()  # fmt: skip
     print(f"{package} {module.__version__} from {location.parent}: smoke example passed")
     return 0
 

@@ -41,11 +41,24 @@ THIRD_PARTY = {
     "hypothesis",
     "scipy",
     "scikit-learn",
+    "onnx",
+    "onnxruntime",
 }
 
 # Packages qcore must never depend on (docs/design.md: qcore <- qflax, qcore <- qlitert,
-# qcore <- qtorchlike).
-QCORE_FORBIDDEN = {"flax", "tensorflow", "torch", "litert", "qflax", "qlitert", "qtorchlike"}
+# qcore <- qtorchlike, qcore <- qflax <- qort).
+QCORE_FORBIDDEN = {
+    "flax",
+    "tensorflow",
+    "torch",
+    "litert",
+    "onnx",
+    "onnxruntime",
+    "qflax",
+    "qlitert",
+    "qtorchlike",
+    "qort",
+}
 # The local packages each package may require (dependencies and extras) and import: the
 # dependencies point one way, and what two packages share lives in qcore.
 LOCAL_DEPS_ALLOWED = {
@@ -53,6 +66,7 @@ LOCAL_DEPS_ALLOWED = {
     "qflax": {"qcore"},
     "qlitert": {"qcore"},
     "qtorchlike": {"qcore", "qlitert"},  # qlitert only through the `litert` extra
+    "qort": {"qcore", "qflax"},
 }
 
 

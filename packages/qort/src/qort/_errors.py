@@ -1,0 +1,23 @@
+"""qort's exception classes."""
+
+from __future__ import annotations
+
+
+class ExportError(ValueError):
+    """The model cannot be exported as asked: an unsupported op, format or argument.
+
+    The message names the op (and where in the model it was traced) or the argument,
+    the value, and what is allowed.
+    """
+
+
+class ValidationError(RuntimeError):
+    """The exported graph disagrees with JAX beyond the validation rule.
+
+    ``report`` holds the full :class:`~qort.ValidationReport`; the message names
+    the first op that disagrees.
+    """
+
+    def __init__(self, message: str, report: object) -> None:
+        super().__init__(message)
+        self.report = report

@@ -1,0 +1,487 @@
+"""Float and integer jaxpr primitives as ONNX nodes.
+
+Each lowering takes the graph, the equation and its input values (at least one a
+:class:`~qort._graph.Tensor`; equations on constants only are folded by the
+converter) and returns the names of its outputs. The table :data:`LOWERINGS` maps
+primitive names to lowerings; :func:`lower` raises :class:`~qort.ExportError` for
+the rest, naming the primitive.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from qort._errors import ExportError
+from qort._graph import Const, Graph, Tensor, Value, onnx_dtype
+
+Lowering = Callable[[Graph, Any, list[Value]], list[str]]
+
+
+def name(g: Graph, v: Value) -> str:
+    """The graph name of ``v`` (a constant becomes an initializer)."""
+    return g.const(v.value) if isinstance(v, Const) else v.name
+
+
+def ints(g: Graph, values: Sequence[int]) -> str:
+    """An int64 initializer (shapes, axes, pads)."""
+    return g.const(np.asarray(list(values), np.int64), "i")
+
+
+def _out_aval(eqn: Any, i: int = 0) -> Any:
+    return eqn.outvars[i].aval
+
+
+def _elementwise(op: str) -> Lowering:
+    def lower(g: Graph, eqn: Any, ins: list[Value]) -> list[str]:
+        return [g.op(op, *(name(g, v) for v in ins))]
+
+    return lower
+
+
+def _compare(op: str, negate: bool = False) -> Lowering:
+    def lower(g: Graph, eqn: Any, ins: list[Value]) -> list[str]:
+        out = g.op(op, name(g, ins[0]), name(g, ins[1]))
+        return [g.op("Not", out) if negate else out]
+
+    return lower
+
+
+def _fmod(g: Graph, eqn: Any, ins: list[Value]) -> list[str]:
+    """``lax.rem``: the remainder with the dividend's sign, as C's fmod."""
+    return [g.op("Mod", name(g, ins[0]), name(g, ins[1]), fmod=1)]
+
+
+def _unary_chain(*ops: str) -> Lowering:
+    def lower(g: Graph, eqn: Any, ins: list[Value]) -> list[str]:
+        x = name(g, ins[0])
+        for op in ops:
+            x = g.op(op, x)
+        return [x]
+
+    return lower
+
+
+def _one_minus(op: str) -> Lowering:
+    """``1 - op(x)`` (erfc as 1 - erf; ONNX has no erfc)."""
+
+    def lower(g: Graph, eqn: Any, ins: list[Value]) -> list[str]:
+        one = g.const(np.ones((), _out_aval(eqn).dtype))
+        return [g.op("Sub", one, g.op(op, name(g, ins[0])))]
+
+    return lower
+
+
+def _square(g: Graph, eqn: Any, ins: list[Value]) -> list[str]:
+    x = name(g, ins[0])
+    return [g.op("Mul", x, x)]
+
+
+def _integer_pow(g: Graph, eqn: Any, ins: list[Value]) -> list[str]:
+    y = int(eqn.params["y"])
+    x = name(g, ins[0])
+    if y == 0:
+        return [g.op("Expand", g.const(np.ones((), _out_aval(eqn).dtype)), ints(g, ins[0].shape))]
+    acc = x
+    for _ in range(abs(y) - 1):
+        acc = g.op("Mul", acc, x)
+    return [g.op("Reciprocal", acc) if y < 0 else acc]
+
+
+def _log1p(g: Graph, eqn: Any, ins: list[Value]) -> list[str]:
+    one = g.const(np.ones((), _out_aval(eqn).dtype))
+    return [g.op("Log", g.op("Add", name(g, ins[0]), one))]
+
+
+def _round(g: Graph, eqn: Any, ins: list[Value]) -> list[str]:
+    x = name(g, ins[0])
+    method = int(eqn.params.get("rounding_method", 0))
+    if method == 1:  # to nearest even: ONNX Round's rule
+        return [g.op("Round", x)]
+    # Away from zero: sign(x) * floor(|x| + 0.5).
+    half = g.const(np.asarray(0.5, _out_aval(eqn).dtype))
+    return [g.op("Mul", g.op("Sign", x), g.op("Floor", g.op("Add", g.op("Abs", x), half)))]
+
+
+def _convert(g: Graph, eqn: Any, ins: list[Value]) -> list[str]:
+    return [g.op("Cast", name(g, ins[0]), to=onnx_dtype(eqn.params["new_dtype"]))]
+
+
+def _identity(g: Graph, eqn: Any, ins: list[Value]) -> list[str]:
+    return [g.op("Identity", name(g, ins[0]))]
+
+
+def _reshape_to(g: Graph, x: str, shape: Sequence[int]) -> str:
+    return g.op("Reshape", x, ints(g, shape))
+
+
+def _reshape(g: Graph, eqn: Any, ins: list[Value]) -> list[str]:
+    if eqn.params.get("dimensions") is not None:
+        raise ExportError("reshape with `dimensions` (a transposing reshape) is not supported")
+    return [_reshape_to(g, name(g, ins[0]), _out_aval(eqn).shape)]
+
+
+def _to_out_shape(g: Graph, eqn: Any, ins: list[Value]) -> list[str]:
+    """Squeeze / expand_dims: a reshape to the output's shape."""
+    return [_reshape_to(g, name(g, ins[0]), _out_aval(eqn).shape)]
+
+
+def _broadcast_in_dim(g: Graph, eqn: Any, ins: list[Value]) -> list[str]:
+    shape = tuple(eqn.params["shape"])
+    dims = tuple(eqn.params["broadcast_dimensions"])
+    ones = [1] * len(shape)
+    for d, size in zip(dims, ins[0].shape, strict=True):
+        ones[d] = size
+    x = name(g, ins[0])
+    if tuple(ones) != tuple(ins[0].shape):
+        x = _reshape_to(g, x, ones)
+    return [g.op("Expand", x, ints(g, shape)) if tuple(ones) != shape else x]
+
+
+def _transpose(g: Graph, eqn: Any, ins: list[Value]) -> list[str]:
+    return [g.op("Transpose", name(g, ins[0]), perm=list(eqn.params["permutation"]))]
+
+
+def _reduce(op: str) -> Lowering:
+    def lower(g: Graph, eqn: Any, ins: list[Value]) -> list[str]:
+        axes = list(eqn.params["axes"])
+        return [g.op(op, name(g, ins[0]), ints(g, axes), keepdims=0)]
+
+    return lower
+
+
+def _reduce_bool(op: str) -> Lowering:
+    """reduce_and / reduce_or: min / max over the values cast to int32."""
+
+    def lower(g: Graph, eqn: Any, ins: list[Value]) -> list[str]:
+        x = g.op("Cast", name(g, ins[0]), to=onnx_dtype(np.int32))
+        y = g.op(op, x, ints(g, list(eqn.params["axes"])), keepdims=0)
+        return [g.op("Cast", y, to=onnx_dtype(np.bool_))]
+
+    return lower
+
+
+def _arg(op: str) -> Lowering:
+    def lower(g: Graph, eqn: Any, ins: list[Value]) -> list[str]:
+        (axis,) = eqn.params["axes"]
+        y = g.op(op, name(g, ins[0]), axis=int(axis), keepdims=0, select_last_index=0)
+        return [g.op("Cast", y, to=onnx_dtype(eqn.params["index_dtype"]))]
+
+    return lower
+
+
+def _select_n(g: Graph, eqn: Any, ins: list[Value]) -> list[str]:
+    pred, *cases = ins
+    if len(cases) != 2:
+        raise ExportError(f"select_n with {len(cases)} cases is not supported; allowed: 2")
+    p = name(g, pred)
+    if np.dtype(pred.dtype) != np.bool_:
+        p = g.op("Cast", p, to=onnx_dtype(np.bool_))
+    return [g.op("Where", p, name(g, cases[1]), name(g, cases[0]))]
+
+
+def _clamp(g: Graph, eqn: Any, ins: list[Value]) -> list[str]:
+    lo, x, hi = (name(g, v) for v in ins)
+    return [g.op("Min", g.op("Max", x, lo), hi)]
+
+
+def _concatenate(g: Graph, eqn: Any, ins: list[Value]) -> list[str]:
+    return [g.op("Concat", *(name(g, v) for v in ins), axis=int(eqn.params["dimension"]))]
+
+
+def _slice(g: Graph, eqn: Any, ins: list[Value]) -> list[str]:
+    start = list(eqn.params["start_indices"])
+    limit = list(eqn.params["limit_indices"])
+    strides = eqn.params.get("strides") or [1] * len(start)
+    axes = list(range(len(start)))
+    return [
+        g.op(
+            "Slice",
+            name(g, ins[0]),
+            ints(g, start),
+            ints(g, limit),
+            ints(g, axes),
+            ints(g, list(strides)),
+        )
+    ]
+
+
+def _rev(g: Graph, eqn: Any, ins: list[Value]) -> list[str]:
+    axes = list(eqn.params["dimensions"])
+    big = np.iinfo(np.int64).max
+    return [
+        g.op(
+            "Slice",
+            name(g, ins[0]),
+            ints(g, [-1] * len(axes)),
+            ints(g, [-big] * len(axes)),
+            ints(g, axes),
+            ints(g, [-1] * len(axes)),
+        )
+    ]
+
+
+def _pad(g: Graph, eqn: Any, ins: list[Value]) -> list[str]:
+    config = eqn.params["padding_config"]
+    if any(interior for _, _, interior in config):
+        raise ExportError("pad with interior padding is not supported")
+    x = name(g, ins[0])
+    los = [lo for lo, _, _ in config]
+    his = [hi for _, hi, _ in config]
+    if any(p < 0 for p in los + his):  # negative padding crops
+        shape = ins[0].shape
+        starts = [max(-lo, 0) for lo in los]
+        ends = [size - max(-hi, 0) for size, hi in zip(shape, his, strict=True)]
+        x = g.op("Slice", x, ints(g, starts), ints(g, ends))
+        los, his = [max(p, 0) for p in los], [max(p, 0) for p in his]
+    return [g.op("Pad", x, ints(g, los + his), name(g, ins[1]))]
+
+
+def _split(g: Graph, eqn: Any, ins: list[Value]) -> list[str]:
+    sizes = list(eqn.params["sizes"])
+    return g.node(
+        "Split", [name(g, ins[0]), ints(g, sizes)], len(sizes), axis=int(eqn.params["axis"])
+    )
+
+
+def dot_general(g: Graph, lhs: Value, rhs: Value, dims: Any, out_shape: Sequence[int]) -> str:
+    """``lax.dot_general`` as Transpose/Reshape around one (batched) MatMul.
+
+    Constant operands are rearranged in NumPy, so a weight becomes one initializer
+    in MatMul's ``(K, N)`` layout. Integer operands take ``MatMulInteger``.
+    """
+    (lc, rc), (lb, rb) = dims
+    lf = [a for a in range(len(lhs.shape)) if a not in lc and a not in lb]
+    rf = [a for a in range(len(rhs.shape)) if a not in rc and a not in rb]
+    size = lambda v, axes: int(np.prod([v.shape[a] for a in axes], dtype=np.int64))  # noqa: E731
+    batch = [lhs.shape[a] for a in lb]
+    m, k, n = size(lhs, lf), size(lhs, lc), size(rhs, rf)
+    lead = [int(np.prod(batch, dtype=np.int64))] if batch else []
+    a = _arrange(g, lhs, [*lb, *lf, *lc], [*lead, m, k])
+    b = _arrange(g, rhs, [*rb, *rc, *rf], [*lead, k, n])
+    integer = np.issubdtype(lhs.dtype, np.integer) and np.issubdtype(rhs.dtype, np.integer)
+    if integer and not all(np.dtype(v.dtype) in (np.int8, np.uint8) for v in (lhs, rhs)):
+        raise ExportError(
+            f"an integer dot_general of {np.dtype(lhs.dtype)} and {np.dtype(rhs.dtype)} has "
+            "no ONNX kernel; allowed: int8 or uint8 operands (MatMulInteger)"
+        )
+    # MatMulInteger: int8 x int8 -> int32, exact (qcore's integer path).
+    return _reshape_to(g, g.op("MatMulInteger" if integer else "MatMul", a, b), out_shape)
+
+
+def _arrange(g: Graph, v: Value, perm: list[int], shape: list[int]) -> str:
+    """``v`` transposed by ``perm`` and reshaped to ``shape`` (folded for constants)."""
+    if isinstance(v, Const):
+        return g.const(np.ascontiguousarray(np.transpose(v.value, perm)).reshape(shape))
+    x = v.name
+    if perm != list(range(len(perm))):
+        x = g.op("Transpose", x, perm=perm)
+    return _reshape_to(g, x, shape) if list(v.shape) != shape else x
+
+
+def _dot_general(g: Graph, eqn: Any, ins: list[Value]) -> list[str]:
+    out = dot_general(g, ins[0], ins[1], eqn.params["dimension_numbers"], _out_aval(eqn).shape)
+    want = eqn.params.get("preferred_element_type")
+    natural = np.int32 if np.issubdtype(ins[0].dtype, np.integer) else ins[0].dtype
+    if want is not None and np.dtype(want) != np.dtype(natural):
+        out = g.op("Cast", out, to=onnx_dtype(want))
+    return [out]
+
+
+def _gather(g: Graph, eqn: Any, ins: list[Value]) -> list[str]:
+    """The gather of ``jnp.take(table, ids, axis=0)`` and ``table[ids]``: ONNX Gather."""
+    operand, indices = ins
+    dn = eqn.params["dimension_numbers"]
+    rank, batch_rank = len(operand.shape), len(indices.shape) - 1
+    whole = (1, *operand.shape[1:])
+    if (
+        tuple(dn.collapsed_slice_dims) != (0,)
+        or tuple(dn.start_index_map) != (0,)
+        or tuple(getattr(dn, "operand_batching_dims", ())) != ()
+        or indices.shape[-1:] != (1,)
+        or tuple(eqn.params["slice_sizes"]) != whole
+        or tuple(dn.offset_dims) != tuple(range(batch_rank, batch_rank + rank - 1))
+    ):
+        raise ExportError(
+            f"gather with dimension numbers {dn} and slice sizes "
+            f"{tuple(eqn.params['slice_sizes'])} is not supported; allowed: whole rows "
+            "looked up along axis 0 (jnp.take(table, ids, axis=0), table[ids])"
+        )
+    idx = _reshape_to(g, name(g, indices), indices.shape[:-1])
+    return [g.op("Gather", name(g, operand), idx, axis=0)]
+
+
+def conv(g: Graph, lhs: Value, rhs: Value, p: dict) -> str:
+    """``lax.conv_general_dilated`` with parameters ``p`` as one ONNX ``Conv``.
+
+    The operands are transposed to ONNX's ``(N, C, spatial...)`` and ``(O, I,
+    spatial...)`` layouts (a constant kernel in NumPy) and the result back.
+    """
+    dn = p["dimension_numbers"]
+    if any(d != 1 for d in p["lhs_dilation"]) or p["batch_group_count"] != 1:
+        raise ExportError(
+            "conv_general_dilated with lhs_dilation (a transposed convolution) or "
+            "batch_group_count > 1 is not supported"
+        )
+    integer = np.issubdtype(lhs.dtype, np.integer) and np.issubdtype(rhs.dtype, np.integer)
+    if integer:  # ConvInteger takes uint8: int8 codes shifted by 128, zero point 128
+        lhs, rhs = _as_uint8(g, lhs), _as_uint8(g, rhs)
+    x = _arrange(g, lhs, list(dn.lhs_spec), [lhs.shape[a] for a in dn.lhs_spec])
+    w = _arrange(g, rhs, list(dn.rhs_spec), [rhs.shape[a] for a in dn.rhs_spec])
+    pads = [lo for lo, _ in p["padding"]] + [hi for _, hi in p["padding"]]
+    zero = [g.const(np.uint8(128))] * 2 if integer else []
+    y = g.op(
+        "ConvInteger" if integer else "Conv",
+        x,
+        w,
+        *zero,
+        strides=list(p["window_strides"]),
+        pads=pads,
+        dilations=list(p["rhs_dilation"]),
+        group=int(p["feature_group_count"]),
+    )
+    # Conv's output is (N, C, spatial...); out_spec says where each goes.
+    return g.op("Transpose", y, perm=[int(a) for a in np.argsort(dn.out_spec)])
+
+
+def _as_uint8(g: Graph, v: Value) -> Value:
+    """int8 codes as uint8 codes + 128 (uint8 stays)."""
+    if np.dtype(v.dtype) == np.uint8:
+        return v
+    if np.dtype(v.dtype) != np.int8:
+        raise ExportError(
+            f"an integer convolution of {np.dtype(v.dtype)} is not supported; allowed: int8, uint8"
+        )
+    if isinstance(v, Const):
+        return Const((v.value.astype(np.int16) + 128).astype(np.uint8))
+    wide = g.op("Cast", v.name, to=onnx_dtype(np.int16))
+    shifted = g.op("Add", wide, g.const(np.int16(128)))
+    return Tensor(g.op("Cast", shifted, to=onnx_dtype(np.uint8)), v.shape, np.dtype(np.uint8))
+
+
+def _conv(g: Graph, eqn: Any, ins: list[Value]) -> list[str]:
+    return [conv(g, ins[0], ins[1], eqn.params)]
+
+
+def _reduce_window(kind: str) -> Lowering:
+    """Pooling: reduce_window_{sum,max} over the spatial axes of an N...C tensor."""
+
+    def lower(g: Graph, eqn: Any, ins: list[Value]) -> list[str]:
+        p = eqn.params
+        window = tuple(p["window_dimensions"])
+        strides = tuple(p["window_strides"])
+        padding = tuple(tuple(pair) for pair in p["padding"])
+        rank = len(window)
+        spatial = [
+            a for a in range(rank) if window[a] != 1 or strides[a] != 1 or padding[a] != (0, 0)
+        ]
+        if any(d != 1 for d in (*p["base_dilation"], *p["window_dilation"])) or 0 in spatial:
+            raise ExportError("reduce_window with dilation or over the batch axis is not supported")
+        channels = [a for a in range(1, rank) if a not in spatial]
+        perm = [0, *channels, *spatial]
+        x = g.op("Transpose", name(g, ins[0]), perm=perm)
+        if channels and len(channels) > 1:
+            raise ExportError("reduce_window with more than one channel axis is not supported")
+        attrs: dict[str, Any] = {
+            "kernel_shape": [window[a] for a in spatial],
+            "strides": [strides[a] for a in spatial],
+            "pads": [padding[a][0] for a in spatial] + [padding[a][1] for a in spatial],
+        }
+        if not channels:
+            x = g.op("Unsqueeze", x, ints(g, [1]))
+        if kind == "max":
+            y = g.op("MaxPool", x, **attrs)
+        else:  # a sum: average over the full window (padding counted) times its size
+            y = g.op("AveragePool", x, count_include_pad=1, **attrs)
+            size = int(np.prod(attrs["kernel_shape"]))
+            y = g.op("Mul", y, g.const(np.asarray(size, ins[0].dtype)))
+        if not channels:
+            y = g.op("Squeeze", y, ints(g, [1]))
+        return [g.op("Transpose", y, perm=list(np.argsort(perm)))]
+
+    return lower
+
+
+LOWERINGS: dict[str, Lowering] = {
+    "add": _elementwise("Add"),
+    "sub": _elementwise("Sub"),
+    "mul": _elementwise("Mul"),
+    "div": _elementwise("Div"),
+    "max": _elementwise("Max"),
+    "min": _elementwise("Min"),
+    "pow": _elementwise("Pow"),
+    "rem": _fmod,
+    "and": _elementwise("And"),
+    "or": _elementwise("Or"),
+    "not": _elementwise("Not"),
+    "gt": _compare("Greater"),
+    "lt": _compare("Less"),
+    "ge": _compare("GreaterOrEqual"),
+    "le": _compare("LessOrEqual"),
+    "eq": _compare("Equal"),
+    "ne": _compare("Equal", negate=True),
+    "neg": _elementwise("Neg"),
+    "abs": _elementwise("Abs"),
+    "sign": _elementwise("Sign"),
+    "floor": _elementwise("Floor"),
+    "ceil": _elementwise("Ceil"),
+    "exp": _elementwise("Exp"),
+    "log": _elementwise("Log"),
+    "tanh": _elementwise("Tanh"),
+    "logistic": _elementwise("Sigmoid"),
+    "erf": _elementwise("Erf"),
+    "erfc": _one_minus("Erf"),
+    "sqrt": _elementwise("Sqrt"),
+    "rsqrt": _unary_chain("Sqrt", "Reciprocal"),
+    "sin": _elementwise("Sin"),
+    "cos": _elementwise("Cos"),
+    "is_finite": _unary_chain("IsInf", "Not"),
+    "log1p": _log1p,
+    "square": _square,
+    "integer_pow": _integer_pow,
+    "round": _round,
+    "convert_element_type": _convert,
+    "copy": _identity,
+    "copy_p": _identity,
+    "stop_gradient": _identity,
+    "reduce_precision": _identity,
+    "optimization_barrier": _identity,
+    "reshape": _reshape,
+    "squeeze": _to_out_shape,
+    "expand_dims": _to_out_shape,
+    "broadcast_in_dim": _broadcast_in_dim,
+    "transpose": _transpose,
+    "reduce_sum": _reduce("ReduceSum"),
+    "reduce_max": _reduce("ReduceMax"),
+    "reduce_min": _reduce("ReduceMin"),
+    "reduce_prod": _reduce("ReduceProd"),
+    "reduce_and": _reduce_bool("ReduceMin"),
+    "reduce_or": _reduce_bool("ReduceMax"),
+    "argmax": _arg("ArgMax"),
+    "argmin": _arg("ArgMin"),
+    "select_n": _select_n,
+    "clamp": _clamp,
+    "concatenate": _concatenate,
+    "slice": _slice,
+    "rev": _rev,
+    "pad": _pad,
+    "split": _split,
+    "dot_general": _dot_general,
+    "gather": _gather,
+    "conv_general_dilated": _conv,
+    "reduce_window_sum": _reduce_window("sum"),
+    "reduce_window_max": _reduce_window("max"),
+}
+
+
+def lower(g: Graph, eqn: Any, ins: list[Value]) -> list[str]:
+    """The ONNX lowering of ``eqn`` (see the module docstring)."""
+    fn = LOWERINGS.get(eqn.primitive.name)
+    if fn is None:
+        raise ExportError(
+            f"the JAX primitive {eqn.primitive.name!r} has no ONNX lowering; supported: "
+            f"{', '.join(sorted(LOWERINGS))}"
+        )
+    return fn(g, eqn, ins)

@@ -1,0 +1,221 @@
+"""Export a qflax-quantized Flax model, or any JAX function, to ONNX.
+
+Example:
+    A two-layer MLP with int8 weights and per-token int8 activations (qflax's dynamic
+    range), exported, validated op by op and run:
+
+    >>> import jax, jax.numpy as jnp, flax.linen as nn
+    >>> import qflax, qort
+    >>> class Mlp(nn.Module):
+    ...     @nn.compact
+    ...     def __call__(self, x):
+    ...         return nn.Dense(4)(jax.nn.gelu(nn.Dense(32)(x)))
+    >>> rules = [qflax.QuantizationRule(weight_qtype="int8", act_qtype="int8")]
+    >>> qmodel = qflax.quantize_model(Mlp(), qflax.PtqProvider(rules))
+    >>> x = jax.random.normal(jax.random.key(0), (8, 16))
+    >>> variables = qmodel.init(jax.random.key(1), x)
+    >>> exported = qort.export(qmodel, variables, x)
+    >>> exported.report.ok, exported.report.integer_sites, exported.report.integer_kernels
+    (True, 2, 2)
+    >>> y = qort.Session(exported)(x)
+    >>> float(jnp.max(jnp.abs(y - qmodel.apply(variables, x)))) < 1e-2  # float ulps move codes
+    True
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import onnx
+
+import qflax
+from qort import _converter
+from qort._capture import CaptureProvider
+from qort._errors import ExportError, ValidationError
+from qort.validation import ValidationReport, validate
+
+
+@dataclasses.dataclass
+class Exported:
+    """An exported model.
+
+    Attributes:
+        model: The ONNX model (opset 21).
+        report: The op-by-op validation (None when exported with ``validate=False``).
+        input_names: Graph input names, in argument order.
+        output_names: Graph output names.
+        out_tree: The exported function's output structure (a :class:`~qort.Session`
+            made from this object returns outputs in it).
+    """
+
+    model: onnx.ModelProto
+    report: ValidationReport | None
+    input_names: list[str]
+    output_names: list[str]
+    out_tree: Any = None
+
+    @property
+    def nbytes(self) -> int:
+        """Size of the serialized model in bytes."""
+        return self.model.ByteSize()
+
+    def save(self, path: str | os.PathLike) -> Path:
+        """Writes the model to ``path`` (a new file or one to replace), atomically.
+
+        The file is written next to ``path`` under a temporary name and renamed, so a
+        failed save leaves an existing file untouched.
+
+        Raises:
+            ValueError: ``path`` is a directory, or its directory does not exist.
+        """
+        path = Path(path)
+        if path.is_dir():
+            raise ValueError(f"path={str(path)!r} is a directory; allowed: a file path")
+        if not path.parent.is_dir():
+            raise ValueError(
+                f"path={str(path)!r}: the directory {str(path.parent)!r} does not exist"
+            )
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(self.model.SerializeToString())
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        return path
+
+
+def export(
+    model: Any,
+    variables: Any,
+    *example_inputs: Any,
+    method: str | None = None,
+    input_names: Sequence[str] | None = None,
+    output_names: Sequence[str] | None = None,
+    validate: bool = True,
+    threads: int | None = None,
+) -> Exported:
+    """Exports a Flax Linen model, qflax-quantized or float, to ONNX.
+
+    A model made by :func:`qflax.quantize_model` with a :class:`~qflax.PtqProvider`
+    runs with the same rules and params; its weight-quantized products become
+    integer ONNX ops (see ``docs/qort.md`` for which format becomes which op), the
+    rest of the model float ONNX ops.
+
+    Args:
+        model: A Linen module: ``qflax.quantize_model(model, qflax.PtqProvider(...))``
+            or a float one.
+        variables: Its variables, ``{"params": ...}`` (quantized params for a
+            quantized model, as ``qmodel.init`` or ``qflax.quantize_params`` give).
+        *example_inputs: Inputs of one call; the graph has their shapes and dtypes
+            (fixed: a model for another batch size is another export).
+        method: The model's method to export (default ``__call__``).
+        input_names: Names of the graph inputs (default ``input_0``, ...).
+        output_names: Names of the graph outputs (default ``output_0``, ...).
+        validate: Run :func:`qort.validation.validate` and raise if it fails.
+        threads: ONNX Runtime threads for validation.
+
+    Returns:
+        The :class:`Exported` model (``.save(path)``, ``qort.Session(exported)``).
+
+    Raises:
+        ExportError: An op or quantization format without an ONNX lowering (naming
+            it and where it was traced), or a bad argument.
+        ValidationError: The graph disagrees with JAX (naming the first op).
+    """
+    provider = getattr(model, "qflax_provider", None)
+    if provider is not None:
+        if not isinstance(provider, qflax.PtqProvider) or isinstance(provider, qflax.LoraProvider):
+            raise ExportError(
+                f"model's provider is a {type(provider).__name__}; allowed: qflax.PtqProvider "
+                "(quantize a QAT-trained model's params with qflax.quantize_params and a "
+                "PtqProvider model first)"
+            )
+        capture = CaptureProvider(provider.rules)
+        model = qflax.quantize_model(model, capture, methods=model.methods)
+        sites = capture.sites
+    else:
+        sites = {}
+    if not hasattr(model, "apply"):
+        raise ExportError(
+            f"model is a {type(model).__name__}; allowed: a Flax Linen module (use "
+            "qort.export_function for a JAX function)"
+        )
+    kw = {} if method is None else {"method": method}
+
+    def fn(*args: Any) -> Any:
+        return model.apply(variables, *args, **kw)
+
+    return _export(fn, example_inputs, sites, input_names, output_names, validate, threads)
+
+
+def export_function(
+    fn: Any,
+    *example_inputs: Any,
+    input_names: Sequence[str] | None = None,
+    output_names: Sequence[str] | None = None,
+    validate: bool = True,
+    threads: int | None = None,
+) -> Exported:
+    """Exports a JAX function (float, or with qcore ops lowered one by one) to ONNX.
+
+    Args:
+        fn: A function of arrays returning an array or a pytree of arrays.
+        *example_inputs: Arrays (or pytrees of arrays) of one call.
+        input_names: See :func:`export`.
+        output_names: See :func:`export`.
+        validate: See :func:`export`.
+        threads: See :func:`export`.
+
+    Returns:
+        The :class:`Exported` model.
+    """
+    if not callable(fn):
+        raise ExportError(f"fn is a {type(fn).__name__}; allowed: a callable")
+    return _export(fn, example_inputs, {}, input_names, output_names, validate, threads)
+
+
+def _export(
+    fn: Any,
+    example_inputs: Sequence[Any],
+    sites: dict,
+    input_names: Sequence[str] | None,
+    output_names: Sequence[str] | None,
+    validate_: bool,
+    threads: int | None,
+) -> Exported:
+    leaves = jax.tree.leaves(example_inputs)
+    for i, x in enumerate(leaves):
+        if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+            raise ExportError(
+                f"example input {i} is a {type(x).__name__}; allowed: arrays (NumPy or JAX)"
+            )
+    names = (
+        list(input_names) if input_names is not None else [f"input_{i}" for i in range(len(leaves))]
+    )
+    if len(names) != len(leaves) or len(set(names)) != len(names):
+        raise ExportError(
+            f"input_names={list(names)!r}; allowed: {len(leaves)} distinct names, one per "
+            "input array"
+        )
+    conv = _converter.convert(fn, example_inputs, sites, names, output_names)
+    report = None
+    if validate_:
+        expected = [jax.numpy.asarray(y) for y in jax.tree.leaves(jax.jit(fn)(*example_inputs))]
+        report = validate(conv, threads=threads, example_outputs=expected)
+        if not report.ok:
+            raise ValidationError(f"the exported graph disagrees with JAX:\n{report}", report)
+    return Exported(
+        conv.model,
+        report,
+        [t.name for t in conv.inputs],
+        [t.name for t in conv.outputs],
+        conv.out_tree,
+    )

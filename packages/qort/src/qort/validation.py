@@ -1,0 +1,295 @@
+"""Op-by-op validation of an exported graph against JAX, under ONNX Runtime.
+
+Every equation the converter lowered (and every captured quantized op) is a *unit*.
+Validation cuts the graph at the units' boundaries: each unit becomes a separate
+piece of one ONNX model whose inputs are fed the JAX values recorded on the example
+inputs, so each op is judged on its own, whatever the depth of the model, and the
+first op that disagrees is named. The rule, per unit:
+
+- **Integer and boolean results**: equal.
+- **Floating-point results**: ``max |onnx - jax| <= 1e-4 * max |jax|`` (ONNX
+  Runtime's and XLA's ``exp``, ``erf``, sums and products round differently).
+- **Dynamic-range (w8a8) products** (:mod:`qort._quantized`): the activation codes
+  equal qcore's, except one step at qcore's tie rule (a value within 32 ulps above
+  ``-127.5`` goes to ``-128``) for a row minimum that occurs twice: the graph applies
+  the rule to the first one (counted as ``ties``). The output
+  equals the exact integer product of ONNX Runtime's own codes times both scales
+  (float64, relative ``1e-5``) and differs from JAX's by at most what the tie
+  steps explain (plus ``1e-5`` relative).
+
+The whole model is also run once on the example inputs (``end_to_end``: the largest
+difference of each output from JAX, reported, not judged: one-step differences
+propagate), and ONNX Runtime's optimized graph is checked to compute each w8a8
+product with an integer kernel.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tempfile
+from collections.abc import Sequence
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+import onnx
+from onnx import helper
+
+import qcore
+from qort._converter import Converted
+from qort._graph import Tensor, Unit, value_info
+from qort._quantized import CodeCheck
+from qort.session import session_options
+
+FLOAT_RTOL = 1e-4
+EXACT_RTOL = 1e-5
+# Units fed per ONNX Runtime session, by bytes of their inputs.
+_CHUNK_BYTES = 1 << 30
+# ONNX Runtime's names of the ops that compute a product with integers.
+INTEGER_KERNELS = (
+    "MatMulInteger",
+    "MatMulIntegerToFloat",
+    "DynamicQuantizeMatMul",
+    "QGemm",
+    "QLinearMatMul",
+    "MatMulNBits",
+    "ConvInteger",
+    "QLinearConv",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class UnitResult:
+    """One unit's verdict.
+
+    Attributes:
+        label: The op (``"tanh"``, ``"dot_general layer_0/query/dot_general0"``).
+        source: Where it was traced (module path or name stack).
+        error: Largest difference from JAX, in the unit's measure (see the module).
+        tolerance: What the rule allows there.
+        ties: Activation codes one step from qcore's at its tie rule (w8a8 only).
+        ok: Whether the unit passes.
+        detail: Why it fails, if it does.
+    """
+
+    label: str
+    source: str
+    error: float
+    tolerance: float
+    ties: int = 0
+    ok: bool = True
+    detail: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class ValidationReport:
+    """The result of :func:`validate`.
+
+    Attributes:
+        units: One result per unit, in graph order.
+        end_to_end: Per output: ``max |onnx - jax|`` on the example inputs.
+        integer_sites: Dynamic-range (w8a8) products in the graph.
+        integer_kernels: Integer product kernels in ONNX Runtime's optimized graph.
+        provider: The execution provider the graph ran under.
+    """
+
+    units: tuple[UnitResult, ...]
+    end_to_end: tuple[float, ...]
+    integer_sites: int
+    integer_kernels: int
+    provider: str = "CPUExecutionProvider"
+
+    @property
+    def failures(self) -> list[UnitResult]:
+        """The units that fail."""
+        return [u for u in self.units if not u.ok]
+
+    @property
+    def ok(self) -> bool:
+        """Every unit passes and every w8a8 product runs on an integer kernel."""
+        return not self.failures and self.integer_kernels >= self.integer_sites
+
+    def __str__(self) -> str:
+        ties = sum(u.ties for u in self.units)
+        lines = [
+            f"{len(self.units)} ops checked one by one under {self.provider}: "
+            f"{len(self.failures)} disagree; {self.integer_sites} w8a8 products, "
+            f"{self.integer_kernels} integer kernels after optimization; "
+            f"{ties} activation codes one step away at qcore's tie rule",
+            "end to end, max |onnx - jax| per output: "
+            + ", ".join(f"{e:.3g}" for e in self.end_to_end),
+        ]
+        for u in self.failures[:10]:
+            lines.append(f"  FAIL {u.label} ({u.source}): {u.detail}")
+        return "\n".join(lines)
+
+
+def validate(
+    conv: Converted, *, threads: int | None = None, example_outputs: Sequence[Any] | None = None
+) -> ValidationReport:
+    """Validates a converted model op by op (see the module docstring)."""
+    units = [(i, u) for i, u in enumerate(conv.graph.units) if u.nodes]
+    results: dict[int, UnitResult] = {}
+    for chunk in _chunks(units, conv.refs):
+        outputs = _run_cut(conv, chunk, threads)
+        for i, unit in chunk:
+            results[i] = _judge(conv, i, unit, outputs)
+    end_to_end, kernels = _run_whole(conv, threads, example_outputs)
+    return ValidationReport(
+        tuple(results[i] for i, _ in units), end_to_end, len(conv.checks), kernels
+    )
+
+
+def _chunks(units: list[tuple[int, Unit]], refs: dict[str, np.ndarray]) -> list[list]:
+    chunks: list[list] = [[]]
+    size = 0
+    for i, unit in units:
+        nbytes = sum(refs[t.name].nbytes for t in unit.inputs)
+        if chunks[-1] and size + nbytes > _CHUNK_BYTES:
+            chunks.append([])
+            size = 0
+        chunks[-1].append((i, unit))
+        size += nbytes
+    return chunks
+
+
+def _fed(i: int, name: str) -> str:
+    return f"u{i}:{name}"
+
+
+def _run_cut(conv: Converted, chunk: list[tuple[int, Unit]], threads: int | None) -> dict:
+    """Runs each unit of ``chunk`` on its own JAX inputs, in one session."""
+    import onnxruntime as ort  # noqa: PLC0415 - heavy; only validation and sessions need it
+
+    nodes, inputs, outputs, feeds, needed = [], [], [], {}, set()
+    for i, unit in chunk:
+        rename = {t.name: _fed(i, t.name) for t in unit.inputs}
+        for t in unit.inputs:
+            inputs.append(value_info(dataclasses.replace(t, name=rename[t.name])))
+            feeds[rename[t.name]] = conv.refs[t.name]
+        for k in unit.nodes:
+            node = onnx.NodeProto()
+            node.CopyFrom(conv.graph.nodes[k])
+            node.input[:] = [rename.get(x, x) for x in node.input]
+            needed.update(node.input)
+            nodes.append(node)
+        produced = {o for k in unit.nodes for o in conv.graph.nodes[k].output}
+        outs = [t for t in unit.outputs if t.name in produced]
+        check = conv.checks.get(i)
+        if check is not None:
+            rows = check.shape[0]
+            outs += [
+                Tensor(check.codes, check.shape, np.dtype(np.uint8)),
+                Tensor(check.act_scale, (rows, 1), np.dtype(np.float32)),
+            ]
+        outputs += [value_info(t) for t in outs]
+    inits = [t for k, t in conv.graph.initializers.items() if k in needed]
+    graph = helper.make_graph(nodes, "cut", inputs, outputs, inits)
+    model = helper.make_model(graph, opset_imports=conv.model.opset_import)
+    model.ir_version = conv.model.ir_version
+    session = ort.InferenceSession(
+        model.SerializeToString(), session_options(threads), providers=["CPUExecutionProvider"]
+    )
+    names = [o.name for o in outputs]
+    return dict(zip(names, session.run(names, feeds), strict=True))
+
+
+def _judge(conv: Converted, i: int, unit: Unit, outputs: dict) -> UnitResult:
+    check = conv.checks.get(i)
+    if check is not None:
+        return _judge_dynamic(conv, unit, check, outputs)
+    worst = UnitResult(unit.label, unit.source, 0.0, 0.0)
+    for t in unit.outputs:
+        if t.name not in outputs:
+            continue
+        got, want = np.asarray(outputs[t.name]), conv.refs[t.name]
+        if got.shape != want.shape:
+            return dataclasses.replace(
+                worst, ok=False, error=np.inf, detail=f"shape {got.shape}, JAX {want.shape}"
+            )
+        if np.issubdtype(want.dtype, np.floating):
+            w64, g64 = want.astype(np.float64), got.astype(np.float64)
+            same_nan = np.isnan(w64) == np.isnan(g64)
+            finite = np.isfinite(w64) & np.isfinite(g64)
+            err = float(np.max(np.abs(g64 - w64)[finite], initial=0.0))
+            tol = FLOAT_RTOL * float(np.max(np.abs(w64[finite]), initial=0.0))
+            inf_ok = np.array_equal(w64[np.isinf(w64)], g64[np.isinf(w64)])
+            ok = err <= tol and bool(same_nan.all()) and inf_ok
+        else:
+            err = float(np.sum(got != want))
+            tol, ok = 0.0, err == 0
+        if not ok or err > worst.error:
+            detail = "" if ok else f"max difference {err:.3g} > allowed {tol:.3g}"
+            worst = dataclasses.replace(worst, error=err, tolerance=tol, ok=ok, detail=detail)
+            if not ok:
+                return worst
+    return worst
+
+
+def _judge_dynamic(conv: Converted, unit: Unit, check: CodeCheck, outputs: dict) -> UnitResult:
+    (x,) = unit.inputs
+    rows, cols = check.shape
+    jax_q = qcore.quantize(jnp.asarray(conv.refs[x.name]), check.spec)
+    jax_codes = np.transpose(np.asarray(jax_q.qvalue, np.int32), check.perm).reshape(rows, cols)
+    codes = outputs[check.codes].astype(np.int32).reshape(rows, cols) - 128
+    diff = codes - jax_codes
+    ties = (diff == 1) & (jax_codes == -128)
+    base = UnitResult(unit.label, unit.source, 0.0, 0.0, int(np.sum(ties)))
+    bad = int(np.sum((diff != 0) & ~ties))
+    if bad:
+        return dataclasses.replace(
+            base, ok=False, error=float(bad), detail=f"{bad} activation codes differ from qcore's"
+        )
+    (out,) = unit.outputs
+    k, n = check.weight.shape
+    m = rows * cols // k
+    weight_first = unit.quantized.weight_side == 0
+    y = _as_mn(outputs[out.name], m, n, weight_first)
+    y_jax = _as_mn(conv.refs[out.name], m, n, weight_first)
+    scale = np.repeat(outputs[check.act_scale].astype(np.float64), m // rows, axis=0)
+    # Integer sums in float64 are exact while below 2**53 (|code| <= 128: any K < 5e11).
+    exact = codes.reshape(m, k).astype(np.float64) @ check.weight.astype(np.float64)
+    exact = exact * scale * check.weight_scale.astype(np.float64)
+    span = float(np.max(np.abs(exact), initial=0.0))
+    err_exact = float(np.max(np.abs(y - exact), initial=0.0))
+    steps = np.abs(diff).reshape(m, k).astype(np.float64) @ np.abs(check.weight).astype(np.float64)
+    allowed = steps * scale * check.weight_scale + EXACT_RTOL * span
+    err_jax = float(np.max(np.abs(y - y_jax) - allowed, initial=0.0))
+    tol = EXACT_RTOL * span
+    if err_exact > tol:
+        detail = f"output differs from the exact integer product by {err_exact:.3g} > {tol:.3g}"
+        return dataclasses.replace(base, ok=False, error=err_exact, tolerance=tol, detail=detail)
+    if err_jax > 0:
+        detail = f"output differs from JAX's by {err_jax:.3g} more than the tie steps explain"
+        return dataclasses.replace(base, ok=False, error=err_jax, tolerance=tol, detail=detail)
+    return dataclasses.replace(base, error=err_exact, tolerance=tol)
+
+
+def _as_mn(y: np.ndarray, m: int, n: int, weight_first: bool) -> np.ndarray:
+    y = np.asarray(y, np.float64)
+    return y.reshape(n, m).T if weight_first else y.reshape(m, n)
+
+
+def _run_whole(
+    conv: Converted, threads: int | None, example_outputs: Sequence[Any] | None
+) -> tuple[tuple[float, ...], int]:
+    """Runs the whole graph once; returns per-output errors and integer kernel count."""
+    import onnxruntime as ort  # noqa: PLC0415
+
+    with tempfile.TemporaryDirectory() as tmp:
+        options = session_options(threads)
+        options.optimized_model_filepath = os.path.join(tmp, "optimized.onnx")
+        session = ort.InferenceSession(
+            conv.model.SerializeToString(), options, providers=["CPUExecutionProvider"]
+        )
+        optimized = onnx.load(options.optimized_model_filepath, load_external_data=False)
+    kernels = sum(node.op_type in INTEGER_KERNELS for node in optimized.graph.node)
+    feeds = {t.name: conv.refs[t.name] for t in conv.inputs}
+    got = session.run([t.name for t in conv.outputs], feeds)
+    wants = example_outputs or [conv.refs.get(t.name) for t in conv.outputs]
+    errors = []
+    for g_, w in zip(got, wants, strict=True):
+        g64, w64 = np.asarray(g_, np.float64), np.asarray(w, np.float64)
+        errors.append(float(np.max(np.abs(g64 - w64), initial=0.0)))
+    return tuple(errors), kernels

@@ -1,0 +1,97 @@
+"""The runner's input checks, and saving that never loses a file."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+import onnx
+import pytest
+
+import qort
+
+FN = lambda ids, x: x[ids]  # noqa: E731 - a lookup: int32 ids and a float table
+IDS = jnp.array([0, 2, 1], jnp.int32)
+TABLE = jnp.arange(12.0).reshape(4, 3)
+
+
+@pytest.fixture(scope="module")
+def exported() -> qort.Exported:
+    return qort.export_function(FN, IDS, TABLE, input_names=["ids", "table"])
+
+
+def test_runs_numpy_jax_and_by_name(exported: qort.Exported) -> None:
+    session = qort.Session(exported, threads=1)
+    np.testing.assert_array_equal(session(IDS, TABLE), np.asarray(FN(IDS, TABLE)))
+    np.testing.assert_array_equal(
+        session(np.array([3, 3, 0]), np.asarray(TABLE, np.float64))[0], TABLE[3]
+    )
+    (y,) = session.run({"ids": IDS, "table": TABLE})
+    np.testing.assert_array_equal(y, np.asarray(FN(IDS, TABLE)))
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        ((IDS,), "got 1 inputs; the model takes 2: ids"),
+        ((IDS[:2], TABLE), r"input 'ids' has shape \(2,\); the model takes \(3,\)"),
+        ((IDS, TABLE.astype(jnp.int32)), "input 'table' has dtype int32; the model takes float32"),
+        ((IDS.astype(jnp.float32), TABLE), "input 'ids' has dtype float32; the model takes int32"),
+        ((np.array([0, 1, 2**40]), TABLE), "outside int32's range"),
+        ((object(), TABLE), r"input 'ids' has shape \(\)"),
+    ],
+)
+def test_bad_inputs_name_the_input(exported: qort.Exported, args: tuple, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        qort.Session(exported)(*args)
+
+
+def test_run_by_name_checks_names(exported: qort.Exported) -> None:
+    session = qort.Session(exported)
+    with pytest.raises(ValueError, match="unknown inputs \\['tabel'\\]"):
+        session.run({"ids": IDS, "tabel": TABLE})
+    with pytest.raises(ValueError, match="input 'table' is missing"):
+        session.run({"ids": IDS})
+
+
+def test_session_from_file_and_bad_sources(exported: qort.Exported, tmp_path: Path) -> None:
+    path = exported.save(tmp_path / "m.onnx")
+    np.testing.assert_array_equal(qort.Session(path)(IDS, TABLE), np.asarray(FN(IDS, TABLE)))
+    np.testing.assert_array_equal(
+        qort.Session(onnx.load(path))(IDS, TABLE), np.asarray(FN(IDS, TABLE))
+    )
+    with pytest.raises(ValueError, match="is not a file"):
+        qort.Session(tmp_path / "missing.onnx")
+    with pytest.raises(TypeError, match="allowed: qort.Exported, onnx.ModelProto or a path"):
+        qort.Session(42)
+    with pytest.raises(ValueError, match="threads=0; allowed: a positive int"):
+        qort.Session(exported, threads=0)
+
+
+def test_save_replaces_atomically_and_keeps_files_on_failure(
+    exported: qort.Exported, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    target = tmp_path / "model.onnx"
+    target.write_bytes(b"the user's previous file")
+    directory = tmp_path / "dir"
+    directory.mkdir()
+    (directory / "keep.txt").write_text("kept")
+    with pytest.raises(ValueError, match="is a directory"):
+        exported.save(directory)
+    assert (directory / "keep.txt").read_text() == "kept"
+    with pytest.raises(ValueError, match="does not exist"):
+        exported.save(tmp_path / "nowhere" / "m.onnx")
+
+    def fail(*args: object) -> None:
+        raise OSError("disk full")
+
+    monkeypatch.setattr(os, "replace", fail)
+    with pytest.raises(OSError, match="disk full"):
+        exported.save(target)
+    monkeypatch.undo()
+    assert target.read_bytes() == b"the user's previous file"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dir", "model.onnx"]
+    exported.save(target)
+    assert onnx.load(target).graph.input[0].name == "ids"
