@@ -298,7 +298,8 @@ def _dynamic(
     # Only a row's minimum can be there; its code is recomputed and written back.
     scaled_min = g.op("Mul", row_min, inverse)
     near = g.op("Less", scaled_min, g.const(np.float32(_TIE_EDGE)))
-    min_code = g.op("Where", near, g.const(np.uint8(0)), g.op("QuantizeLinear", scaled_min, one, zp))
+    rounded_min = g.op("QuantizeLinear", scaled_min, one, zp)
+    min_code = g.op("Where", near, g.const(np.uint8(0)), rounded_min)
     q = g.op("ScatterElements", q, row_min_at, min_code, axis=1)
     q2 = q if rows == m else g.op("Reshape", q, ints(g, mk))
     w_u8 = g.const((codes.astype(np.int16) + 128).astype(np.uint8), "w")
