@@ -211,7 +211,13 @@ def bench(session: nox.Session) -> None:
     session.run("python", "benchmarks/litert.py", "--export-for-peer", PEER_DIR)
     session.run(sys.executable, "-m", "nox", "-s", "litert_peer", "--", PEER_DIR, external=True)
     session.run("python", "benchmarks/litert.py", "--peer", PEER_DIR, *args)
-    for script in ("minilm.py", "quantize_params.py", "compile_cost.py", "w8a8_layout.py"):
+    for script in (
+        "minilm.py",
+        "onnx_export.py",
+        "quantize_params.py",
+        "compile_cost.py",
+        "w8a8_layout.py",
+    ):
         session.run("python", f"benchmarks/{script}", *args)
 
 

@@ -20,9 +20,29 @@ from qort._graph import Const, Graph, Tensor, Value, onnx_dtype
 Lowering = Callable[[Graph, Any, list[Value]], list[str]]
 
 
+# A folded constant larger than this is stored without its repeated axes (see name).
+_REPEAT_CHECK_BYTES = 1 << 16
+
+
 def name(g: Graph, v: Value) -> str:
-    """The graph name of ``v`` (a constant becomes an initializer)."""
-    return g.const(v.value) if isinstance(v, Const) else v.name
+    """The graph name of ``v``; a constant becomes an initializer.
+
+    A large constant that repeats along some axes (a folded ``zeros_like(ids)``
+    lookup, a broadcast scale) is stored once per distinct slice and expanded by an
+    ``Expand`` node where it is read.
+    """
+    if not isinstance(v, Const):
+        return v.name
+    value = v.value
+    if value.nbytes <= _REPEAT_CHECK_BYTES:
+        return g.const(value)
+    small = value
+    for axis, size in enumerate(value.shape):
+        if size > 1 and np.array_equal(small, np.take(small, [0], axis=axis).repeat(size, axis)):
+            small = np.take(small, [0], axis=axis)
+    if small.size == value.size:
+        return g.const(value)
+    return g.op("Expand", g.const(small), ints(g, value.shape))
 
 
 def ints(g: Graph, values: Sequence[int]) -> str:
