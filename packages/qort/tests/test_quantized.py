@@ -142,3 +142,20 @@ def test_w8a8_cnn_convolutions_run_as_integer_ops() -> None:
     qmodel, variables = quantized(Cnn(), rules, images)
     exported = qort.export(qmodel, variables, images)
     assert exported.report is not None and exported.report.ok, str(exported.report)
+
+
+@pytest.mark.parametrize("algorithm", ["gptq", "awq"])
+def test_gptq_and_awq_int4_params_validate(algorithm: str) -> None:
+    """Params from qflax's GPTQ and AWQ (int4 in tiles; AWQ carries input scales)."""
+    from qflax.awq import awq  # noqa: PLC0415
+    from qflax.gptq import gptq  # noqa: PLC0415
+
+    rules = [qflax.QuantizationRule(weight_qtype="int4", tile_size=16)]
+    float_params = Mlp().init(jax.random.key(1), X)["params"]
+    data = qflax.CalibrationData(Mlp(), float_params, [X])
+    params = (gptq if algorithm == "gptq" else awq)(data, rules, progress=False)
+    qmodel = qflax.quantize_model(Mlp(), qflax.PtqProvider(rules))
+    exported = qort.export(qmodel, {"params": params}, X)
+    assert exported.report is not None and exported.report.ok, str(exported.report)
+    assert op_types(exported).count("DequantizeLinear") == 3
+    assert_close_to(qort.Session(exported)(X), qmodel.apply({"params": params}, X), 1e-5)
