@@ -87,11 +87,13 @@ def test_save_replaces_atomically_and_keeps_files_on_failure(
     def fail(*args: object) -> None:
         raise OSError("disk full")
 
+    with pytest.raises(FileExistsError, match="exists; pass overwrite=True"):
+        exported.save(target)
     monkeypatch.setattr(os, "replace", fail)
     with pytest.raises(OSError, match="disk full"):
-        exported.save(target)
+        exported.save(target, overwrite=True)
     monkeypatch.undo()
     assert target.read_bytes() == b"the user's previous file"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dir", "model.onnx"]
-    exported.save(target)
+    exported.save(target, overwrite=True)
     assert onnx.load(target).graph.input[0].name == "ids"

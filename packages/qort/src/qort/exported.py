@@ -65,18 +65,25 @@ class Exported:
         """Size of the serialized model in bytes."""
         return self.model.ByteSize()
 
-    def save(self, path: str | os.PathLike) -> Path:
-        """Writes the model to ``path`` (a new file or one to replace), atomically.
+    def save(self, path: str | os.PathLike, *, overwrite: bool = False) -> Path:
+        """Writes the model to ``path``, atomically.
 
         The file is written next to ``path`` under a temporary name and renamed, so a
         failed save leaves an existing file untouched.
 
+        Args:
+            path: The ``.onnx`` file to write.
+            overwrite: Replace an existing file (else an existing file raises).
+
         Raises:
+            FileExistsError: ``path`` exists and ``overwrite`` is False.
             ValueError: ``path`` is a directory, or its directory does not exist.
         """
         path = Path(path)
         if path.is_dir():
             raise ValueError(f"path={str(path)!r} is a directory; allowed: a file path")
+        if path.exists() and not overwrite:
+            raise FileExistsError(f"path={str(path)!r} exists; pass overwrite=True to replace it")
         if not path.parent.is_dir():
             raise ValueError(
                 f"path={str(path)!r}: the directory {str(path.parent)!r} does not exist"
