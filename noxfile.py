@@ -154,7 +154,7 @@ def docs(session: nox.Session) -> None:
 
 @nox.session(python=PYTHON)
 def demo(session: nox.Session) -> None:
-    """Run the end-to-end digits demo (float CNN -> qflax, qlitert .tflite, qtorchlike)."""
+    """Run the end-to-end digits demo (float CNN -> qflax, qlitert, qort, qtorchlike)."""
     session.install(*_editable(*PACKAGES), *DEMO_DEPS)
     session.run("python", "examples/digits_end_to_end.py", *session.posargs)
 

@@ -9,14 +9,17 @@
    and an int8 QAT fine-tune (``qflax.QtProvider``) converted to PTQ params.
 3. Converts the float model with qlitert into a full-integer int8 ``.tflite`` and runs
    it in the LiteRT interpreter.
-4. Trains the same network eagerly with qtorchlike (Brevitas-style QAT, int8) and
+4. Exports the qflax static-range w8a8 model of step 2 with qort to ``.onnx`` (validated
+   op by op against JAX; the batch is fixed at the test set's size) and runs it in ONNX
+   Runtime.
+5. Trains the same network eagerly with qtorchlike (Brevitas-style QAT, int8) and
    exports it to ``.tflite`` too.
 
 It prints one table (test accuracy, params or file bytes, median latency per batch of
 the whole test set, relative L2 error of the logits vs the float model's) and writes
-``results.json``, ``accuracy_vs_size.png`` and the two ``.tflite`` files to the output
-directory it names. About 2-3 minutes on 2 CPU cores; ``--quick`` (fewer epochs) well
-under one.
+``results.json``, ``accuracy_vs_size.png``, the two ``.tflite`` files and the ``.onnx``
+file to the output directory it names. About 90 s on 2 CPU cores; ``--quick`` (fewer
+epochs) is hardly shorter.
 
 Run from the repository root with every package installed (``nox -s demo`` does it)::
 
@@ -43,6 +46,7 @@ import qtorchlike_digits
 
 import qflax
 import qlitert
+import qort
 import qtorchlike
 from qcore.files import write_atomic
 
@@ -142,13 +146,13 @@ def row(
 
 
 def run(out: Path, quick: bool, seed: int) -> list[dict[str, Any]]:
-    """Every model of the table; writes the .tflite files into ``out``."""
+    """Every model of the table; writes the .tflite and .onnx files into ``out``."""
     x_train, y_train, x_test, y_test = load_data()
     xt = jnp.asarray(x_test)
     epochs, qat_epochs = (8, 1) if quick else (30, 3)
     rows = []
 
-    print(f"[1/5] float32 Flax CNN, {epochs} epochs on {len(x_train)} images", flush=True)
+    print(f"[1/6] float32 Flax CNN, {epochs} epochs on {len(x_train)} images", flush=True)
     model = CNN()
     params = model.init(jax.random.key(seed), xt[:1])["params"]
     float_apply = jax.jit(lambda p, x: model.apply({"params": p}, x))
@@ -165,7 +169,7 @@ def run(out: Path, quick: bool, seed: int) -> list[dict[str, Any]]:
         row("float32", ref, ref, y_test, nbytes(params), median_ms(lambda: float_apply(params, xt)))
     )
 
-    print("[2/5] qflax PTQ: w8a8 static ranges, int4 and nf4 weights", flush=True)
+    print("[2/6] qflax PTQ: w8a8 static ranges, int4 and nf4 weights", flush=True)
     calibrate = qflax.quantize_model(model, qflax.QtProvider(W8A8_STATIC))
     stats = calibrate.init(jax.random.key(0), xt[:1])["quant_stats"]
     observe = jax.jit(
@@ -182,7 +186,7 @@ def run(out: Path, quick: bool, seed: int) -> list[dict[str, Any]]:
     ):
         rows.append(ptq_row(name, model, rules, params, st, xt, ref, y_test))
 
-    print(f"[3/5] qflax QAT int8: {qat_epochs} epoch(s) from the float weights", flush=True)
+    print(f"[3/6] qflax QAT int8: {qat_epochs} epoch(s) from the float weights", flush=True)
     qat = qflax.quantize_model(model, qflax.QtProvider(W8A8_STATIC))
 
     def qat_loss(p, s, x, y):
@@ -200,7 +204,7 @@ def run(out: Path, quick: bool, seed: int) -> list[dict[str, Any]]:
         ptq_row("qflax QAT int8", model, W8A8_STATIC, qat_params, qat_stats, xt, ref, y_test)
     )
 
-    print("[4/5] qlitert: full-integer int8 .tflite of the float model", flush=True)
+    print("[4/6] qlitert: full-integer int8 .tflite of the float model", flush=True)
     fn = lambda x: model.apply({"params": params}, x)  # noqa: E731 - params become constants
     cal = qlitert.calibrate(fn, [x_train[i : i + BATCH] for i in range(0, len(x_train), BATCH)])
     tflite = qlitert.export(qlitert.annotate(fn, cal), x_test)
@@ -208,8 +212,18 @@ def run(out: Path, quick: bool, seed: int) -> list[dict[str, Any]]:
     path = qlitert.save(out / "flax_int8.tflite", tflite, overwrite=True)
     rows.append(tflite_row("qlitert int8 .tflite", path, x_test, ref, y_test))
 
+    print("[5/6] qort: the qflax w8a8 static model as .onnx, run in ONNX Runtime", flush=True)
+    qmodel, qparams = ptq_model(model, W8A8_STATIC, params, stats, xt)
+    # The test set is the example input: the graph's batch size is fixed to it.
+    exported = qort.export(qmodel, {"params": qparams}, x_test, threads=2)
+    print("  " + str(exported.report).replace("\n", "\n  "), flush=True)
+    path = exported.save(out / "flax_w8a8.onnx")  # replaces the model a previous run wrote
+    r = onnx_row("qort w8a8 .onnx (ONNX Runtime)", path, x_test, ref, y_test)
+    r["integer_kernels"] = exported.report.integer_kernels
+    rows.append(r)
+
     q_epochs = qtorchlike_digits.QUICK_EPOCHS if quick else qtorchlike_digits.DEFAULT_EPOCHS
-    print(f"[5/5] qtorchlike eager QAT int8 ({q_epochs} epochs), exported to .tflite", flush=True)
+    print(f"[6/6] qtorchlike eager QAT int8 ({q_epochs} epochs), exported to .tflite", flush=True)
     qt_model, qt_acc = qtorchlike_digits.train(8, q_epochs, seed, verbose=True)
     x_nchw = x_test.transpose(0, 3, 1, 2)
     path = out / "qtorchlike_int8.tflite"
@@ -218,6 +232,19 @@ def run(out: Path, quick: bool, seed: int) -> list[dict[str, Any]]:
     r["eager_qat_accuracy"] = qt_acc
     rows.append(r)
     return rows
+
+
+def ptq_model(
+    model: nn.Module,
+    rules: list[qflax.QuantizationRule],
+    params: Any,
+    stats: Any,
+    xt: jax.Array,
+) -> tuple[nn.Module, Any]:
+    """The qflax PTQ model of ``rules`` and its params quantized from ``params`` (and ``stats``)."""
+    qmodel = qflax.quantize_model(model, qflax.PtqProvider(rules))
+    abstract = jax.eval_shape(qmodel.init, jax.random.key(0), xt[:1])["params"]
+    return qmodel, qflax.quantize_params(params, abstract, stats)
 
 
 def ptq_row(
@@ -231,9 +258,7 @@ def ptq_row(
     y: np.ndarray,
 ) -> dict[str, Any]:
     """The plain qflax PTQ model of ``rules`` on ``params`` (and static-range ``stats``)."""
-    qmodel = qflax.quantize_model(model, qflax.PtqProvider(rules))
-    abstract = jax.eval_shape(qmodel.init, jax.random.key(0), xt[:1])["params"]
-    qparams = qflax.quantize_params(params, abstract, stats)
+    qmodel, qparams = ptq_model(model, rules, params, stats, xt)
     apply = jax.jit(lambda p, x: qmodel.apply({"params": p}, x))
     logits = np.asarray(apply(qparams, xt))
     return row(name, logits, ref, y, nbytes(qparams), median_ms(lambda: apply(qparams, xt)))
@@ -246,6 +271,17 @@ def tflite_row(
     interpreter = qlitert.LiteRTModel(path.read_bytes(), num_threads=2)
     logits = np.asarray(interpreter(x))
     r = row(name, logits, ref, y, path.stat().st_size, median_ms(lambda: interpreter(x)))
+    r["file"] = str(path)
+    return r
+
+
+def onnx_row(
+    name: str, path: Path, x: np.ndarray, ref: np.ndarray | None, y: np.ndarray
+) -> dict[str, Any]:
+    """Runs the ``.onnx`` at ``path`` in ONNX Runtime (CPU, 2 threads)."""
+    session = qort.Session(path, threads=2)
+    logits = np.asarray(session(x))
+    r = row(name, logits, ref, y, path.stat().st_size, median_ms(lambda: session(x)))
     r["file"] = str(path)
     return r
 
@@ -291,7 +327,7 @@ def plot(path: Path, rows: Sequence[dict[str, Any]]) -> None:
         ax.annotate(r["model"], point, textcoords="offset points", xytext=(6, 4), fontsize=8)
     ax.set_xscale("log")
     ax.margins(x=0.2)
-    ax.set_xlabel("params bytes (JAX models) or .tflite file bytes")
+    ax.set_xlabel("params bytes (JAX models) or .tflite / .onnx file bytes")
     ax.set_ylabel("test accuracy (%)")
     ax.set_title("Digits CNN: accuracy vs size, float32 and quantized")
     ax.grid(True, alpha=0.35)
@@ -344,7 +380,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     results = json.dumps({**summary, "rows": rows}, indent=2) + "\n"
     write_atomic(out / "results.json", results.encode())
     plot(out / "accuracy_vs_size.png", rows)
-    print(f"\nwrote results.json, accuracy_vs_size.png and the .tflite files to {out.resolve()}")
+    print(
+        "\nwrote results.json, accuracy_vs_size.png, the .tflite and .onnx files to "
+        f"{out.resolve()}"
+    )
     print(f"({summary['seconds']} s)")
     return 0
 
