@@ -217,7 +217,7 @@ def run(out: Path, quick: bool, seed: int) -> list[dict[str, Any]]:
     # The test set is the example input: the graph's batch size is fixed to it.
     exported = qort.export(qmodel, {"params": qparams}, x_test, threads=2)
     print("  " + str(exported.report).replace("\n", "\n  "), flush=True)
-    path = exported.save(out / "flax_w8a8.onnx")  # replaces the model a previous run wrote
+    path = exported.save(out / "flax_w8a8.onnx", overwrite=True)
     r = onnx_row("qort w8a8 .onnx (ONNX Runtime)", path, x_test, ref, y_test)
     r["integer_kernels"] = exported.report.integer_kernels
     rows.append(r)
