@@ -159,7 +159,7 @@ def onnx(data: dict[str, Any]) -> Any:
     fig, ax = plt.subplots(figsize=(8, 0.32 * len(rows) + 1.2))
     labels = [f"{r['config']} (cos {r['mean_cos']:.4f})" for r in rows]
     _bars(ax, labels, [r["ms"] for r in rows], "{:.0f}")
-    ax.set_xlabel("ms per batch of 32 x 128 tokens (median; mean cosine to JAX float in the label)")
+    ax.set_xlabel("ms per batch of 32 x 128 tokens (median)")
     fig.suptitle(f"all-MiniLM-L6-v2 on ONNX Runtime — {_subtitle(data)}", fontsize=10)
     return fig
 

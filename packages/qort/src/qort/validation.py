@@ -139,9 +139,8 @@ def validate(
         for i, unit in chunk:
             results[i] = _judge(conv, i, unit, outputs)
     end_to_end, kernels = _run_whole(conv, threads, example_outputs)
-    return ValidationReport(
-        tuple(results[i] for i, _ in units), end_to_end, len(conv.checks), kernels
-    )
+    sites = sum(1 for i, _ in units if i in conv.checks)  # pruned sites do not count
+    return ValidationReport(tuple(results[i] for i, _ in units), end_to_end, sites, kernels)
 
 
 def _chunks(units: list[tuple[int, Unit]], refs: dict[str, np.ndarray]) -> list[list]:
