@@ -19,8 +19,6 @@ from onnx import helper, numpy_helper
 
 # The ONNX operator set written: 21 has int4/uint4 and blocked DequantizeLinear.
 OPSET = 21
-# Microsoft's contrib domain (none of its ops is used unless a lowering asks).
-MS_DOMAIN = "com.microsoft"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,9 +105,8 @@ class Graph:
 
     def node(self, op: str, inputs: Sequence[str], n_out: int = 1, **attrs: Any) -> list[str]:
         """Appends a node; returns its output names."""
-        domain = attrs.pop("domain", "")
         outs = [self.fresh(op.lower()) for _ in range(n_out)]
-        self.nodes.append(helper.make_node(op, list(inputs), outs, domain=domain, **attrs))
+        self.nodes.append(helper.make_node(op, list(inputs), outs, **attrs))
         if self._open is not None:
             self._open.append(len(self.nodes) - 1)
         return outs
