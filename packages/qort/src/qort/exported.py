@@ -133,9 +133,9 @@ def export(
         The :class:`Exported` model (``.save(path)``, ``qort.Session(exported)``).
 
     Raises:
-        ExportError: An op or quantization format without an ONNX lowering (naming
+        qort.ExportError: An op or quantization format without an ONNX lowering (naming
             it and where it was traced), or a bad argument.
-        ValidationError: The graph disagrees with JAX (naming the first op).
+        qort.ValidationError: The graph disagrees with JAX (naming the first op).
     """
     provider = getattr(model, "qflax_provider", None)
     if provider is not None:
