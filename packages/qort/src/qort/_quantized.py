@@ -21,7 +21,8 @@ codes equal qcore's and the sum is exact; measured on (4096, 384) activations:
 more pass over each row, about +50 % of the quantization's time).
 Both operands are uint8 with zero point 128 because ONNX Runtime's uint8 × uint8
 kernel accumulates exactly on every x86 CPU, where uint8 × int8 saturates 16-bit
-pair sums on CPUs without VNNI (measured: errors of up to 129,061 in the int32 sums).
+pair sums on CPUs without VNNI (``benchmarks/onnx_numerics.py``: int32 sums off by up
+to 136,012).
 """
 
 from __future__ import annotations
