@@ -119,3 +119,19 @@ def test_constant_folding_keeps_only_what_runs() -> None:
     exported = qort.export_function(lambda x: x @ (w.T * 2).T, X)
     ops = [n.op_type for n in exported.model.graph.node]
     assert ops.count("MatMul") == 1 and "Transpose" not in ops
+
+
+def test_scalar_results_keep_their_rank() -> None:
+    """A 0-d constant stays 0-d (it was stored as shape (1,))."""
+    for fn in (lambda x: x / (jnp.sqrt(jnp.sum(x * x)) + 1e-6), lambda x: x.sum() + 1):
+        exported = qort.export_function(fn, X)
+        assert exported.report is not None and exported.report.ok
+        assert_close_to(qort.Session(exported)(X), fn(X), 1e-5)
+
+
+def test_int64_example_inputs() -> None:
+    """NumPy int64 ids as the example: JAX traces them as int32, validation too."""
+    table = jnp.arange(30.0).reshape(10, 3)
+    ids = np.array([[1, 2], [9, 0]], np.int64)
+    exported = qort.export_function(lambda i: table[i], ids)
+    np.testing.assert_array_equal(qort.Session(exported)(ids), np.asarray(table)[ids])

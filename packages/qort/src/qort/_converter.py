@@ -220,7 +220,8 @@ def convert(
     inputs = []
     for var, n, x in zip(closed.jaxpr.invars, input_names, flat, strict=True):
         inputs.append(Tensor(n, tuple(var.aval.shape), np.dtype(var.aval.dtype)))
-        w.refs[n] = np.asarray(x)
+        # JAX traces int64 and float64 examples as int32 and float32 (x64 off).
+        w.refs[n] = np.asarray(x).astype(var.aval.dtype)
     outs, _ = w.run(closed.jaxpr, closed.consts, inputs, [jax.numpy.asarray(x) for x in flat])
     names = list(output_names) if output_names else [f"output_{i}" for i in range(len(outs))]
     if len(names) != len(outs):

@@ -92,7 +92,10 @@ class Graph:
         name = self._const_names.get(key)
         if name is None:
             name = self.fresh(hint)
-            self.initializers[name] = numpy_helper.from_array(np.ascontiguousarray(array), name)
+            # np.ascontiguousarray would make a 0-d array 1-d.
+            self.initializers[name] = numpy_helper.from_array(
+                np.require(array, requirements="C"), name
+            )
             self._const_names[key] = name
         return name
 
