@@ -47,7 +47,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from minilm import stdlib_sentences
+from minilm import embed_all, nearest_other, stdlib_sentences
 from minilm_model import (
     INTERMEDIATE,
     LAYERS,
@@ -158,29 +158,14 @@ def minilm_rows(params: Any, ids: Any, mask: Any, calibration: list, out: Path) 
 
 
 def embed(run: Callable, ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
-    """Embeddings of every sentence in batches of BATCH (the last one padded)."""
-    n, pad = len(ids), -len(ids) % BATCH
-    ids = np.concatenate([ids, np.zeros((pad, ids.shape[1]), ids.dtype)])
-    mask = np.concatenate([mask, np.zeros((pad, mask.shape[1]), mask.dtype)])
-    outs = [
-        np.asarray(run(ids[i : i + BATCH], mask[i : i + BATCH])) for i in range(0, len(ids), BATCH)
-    ]
-    return np.concatenate(outs).astype(np.float64)[:n]
+    """Embeddings of every sentence in batches of BATCH (``minilm.embed_all``)."""
+    return embed_all(lambda _, i, m: run(i, m), None, ids, mask)
 
 
 def quality(emb: np.ndarray, ref: np.ndarray) -> dict[str, float]:
     cos = np.sum(emb * ref, 1) / np.linalg.norm(emb, axis=1) / np.linalg.norm(ref, axis=1)
-    return {"mean_cos": float(cos.mean()), "min_cos": float(cos.min()), "top1": top1(emb, ref)}
-
-
-def top1(emb: np.ndarray, ref: np.ndarray) -> float:
-    def nearest(e: np.ndarray) -> np.ndarray:
-        u = e / np.linalg.norm(e, axis=1, keepdims=True)
-        sim = u @ u.T
-        np.fill_diagonal(sim, -np.inf)
-        return np.argmax(sim, axis=1)
-
-    return float(np.mean(nearest(emb) == nearest(ref)))
+    top1 = float(np.mean(nearest_other(emb) == nearest_other(ref)))
+    return {"mean_cos": float(cos.mean()), "min_cos": float(cos.min()), "top1": top1}
 
 
 def timings(rows: list[Row], args: tuple, reps: int, warmup: int) -> dict[str, list[float]]:

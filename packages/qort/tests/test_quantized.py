@@ -122,7 +122,10 @@ def test_smoothquant_scales_carried_validate() -> None:
     qmodel = qflax.quantize_model(Mlp(), qflax.PtqProvider(rules))
     exported = qort.export(qmodel, {"params": sparams}, X)
     assert exported.report is not None and exported.report.ok, str(exported.report)
-    assert "Div" in op_types(exported) or "Mul" in op_types(exported)
+    # The carried per-channel scales divide each of the 3 layers' inputs.
+    plain = qort.export(qmodel, qmodel.init(jax.random.key(1), X), X)
+    assert op_types(exported).count("Div") == op_types(plain).count("Div") + 3
+    assert op_types(exported).count("MatMulInteger") == 3
     assert_close_to(qort.Session(exported)(X), qmodel.apply({"params": sparams}, X), 2e-2)
 
 
@@ -142,6 +145,10 @@ def test_w8a8_cnn_convolutions_run_as_integer_ops() -> None:
     qmodel, variables = quantized(Cnn(), rules, images)
     exported = qort.export(qmodel, variables, images)
     assert exported.report is not None and exported.report.ok, str(exported.report)
+    # Both convolutions on int8 codes (ConvInteger), the Dense head captured.
+    assert op_types(exported).count("ConvInteger") == 2
+    assert op_types(exported).count("MatMulInteger") == 1
+    assert_close_to(qort.Session(exported)(images), qmodel.apply(variables, images), 2e-2)
 
 
 @pytest.mark.parametrize("algorithm", ["gptq", "awq"])
