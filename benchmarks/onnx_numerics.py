@@ -32,8 +32,6 @@ from ops import run_info
 import qcore
 import qort
 from qcore.files import write_atomic
-from qort import _converter
-from qort._capture import CaptureProvider
 
 HERE = Path(__file__).resolve().parent
 M, K, N = 4096, 384, 1536
@@ -156,29 +154,27 @@ def scales_and_codes(rng: np.random.Generator) -> dict[str, Any]:
 
 
 def qort_codes_differ(x: np.ndarray, codes: np.ndarray) -> int:
-    """Codes of qort's exported w8a8 product (its CodeCheck output) that differ from qcore's."""
+    """qort's exported w8a8 codes (the ``MatMulInteger`` operand) that differ from qcore's."""
     import flax.linen as nn  # noqa: PLC0415
     import jax  # noqa: PLC0415
 
     import qflax  # noqa: PLC0415
 
     rules = [qflax.QuantizationRule(weight_qtype="int8", act_qtype="int8")]
-    dense = nn.Dense(8)
-    capture = CaptureProvider(rules)
-    model = qflax.quantize_model(dense, capture)
+    model = qflax.quantize_model(nn.Dense(8), qflax.PtqProvider(rules))
     variables = model.init(jax.random.key(0), x)
-    conv = _converter.convert(lambda a: model.apply(variables, a), (x,), capture.sites, ["x"], None)
-    (check,) = conv.checks.values()
-    nodes = list(conv.model.graph.node)
+    exported = qort.export(model, variables, x, input_names=["x"])
+    # The codes are the first operand of the one integer product.
+    (product,) = [n for n in exported.model.graph.node if n.op_type == "MatMulInteger"]
     graph = helper.make_graph(
-        nodes,
+        list(exported.model.graph.node),
         "g",
-        list(conv.model.graph.input),
-        [helper.make_tensor_value_info(check.codes, TensorProto.UINT8, [M, K])],
-        list(conv.model.graph.initializer),
+        list(exported.model.graph.input),
+        [helper.make_tensor_value_info(product.input[0], TensorProto.UINT8, [M, K])],
+        list(exported.model.graph.initializer),
     )
-    model_proto = helper.make_model(graph, opset_imports=conv.model.opset_import)
-    model_proto.ir_version = conv.model.ir_version
+    model_proto = helper.make_model(graph, opset_imports=exported.model.opset_import)
+    model_proto.ir_version = exported.model.ir_version
     options = qort.session.session_options(2)
     session = ort.InferenceSession(
         model_proto.SerializeToString(), options, providers=["CPUExecutionProvider"]
