@@ -135,3 +135,33 @@ def test_int64_example_inputs() -> None:
     ids = np.array([[1, 2], [9, 0]], np.int64)
     exported = qort.export_function(lambda i: table[i], ids)
     np.testing.assert_array_equal(qort.Session(exported)(ids), np.asarray(table)[ids])
+
+
+def test_repeated_computations_are_computed_once() -> None:
+    """Equal nodes on equal inputs are merged; graph outputs and random ops stay."""
+    from onnx import helper  # noqa: PLC0415
+
+    from qort._graph import deduplicated  # noqa: PLC0415
+
+    nodes = [
+        helper.make_node("Add", ["x", "y"], ["a"]),
+        helper.make_node("Add", ["x", "y"], ["b"]),
+        helper.make_node("Mul", ["a", "x"], ["c"]),
+        helper.make_node("Mul", ["b", "x"], ["d"]),
+        helper.make_node("Mul", ["b", "x"], ["out"]),
+        helper.make_node("Transpose", ["c"], ["e"], perm=[1, 0]),
+        helper.make_node("Transpose", ["d"], ["f"], perm=[0, 1]),
+        helper.make_node("RandomNormalLike", ["x"], ["r1"]),
+        helper.make_node("RandomNormalLike", ["x"], ["r2"]),
+    ]
+    kept = deduplicated(nodes, ["out"])
+    assert [(n.op_type, list(n.input), list(n.output)) for n in kept] == [
+        ("Add", ["x", "y"], ["a"]),
+        ("Mul", ["a", "x"], ["c"]),
+        ("Mul", ["a", "x"], ["out"]),
+        ("Transpose", ["c"], ["e"]),
+        ("Transpose", ["c"], ["f"]),
+        ("RandomNormalLike", ["x"], ["r1"]),
+        ("RandomNormalLike", ["x"], ["r2"]),
+    ]
+    assert nodes[1].input == ["x", "y"]  # the caller's nodes are not modified

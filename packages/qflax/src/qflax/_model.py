@@ -75,7 +75,8 @@ def quantize_model(
         included: params are quantized as they are created, so the float ones
         are exactly ``model.init``'s), quantizing float params in place when
         ``params`` is mutable, else applying. A listed method called from another
-        one runs in the outer call. NNX: the model itself, quantized in place.
+        one runs in the outer call. NNX: the model itself, quantized in place (its
+        provider is its ``qflax_provider`` attribute, the methods ``qflax_methods``).
 
     Raises:
         ValueError: For a model that is neither Linen nor NNX, a missing method,
@@ -301,7 +302,7 @@ def _quantized_class(cls: type, methods: tuple[str, ...]) -> type:
 
     NNX registers every Module subclass for good, so there is one class per
     ``(cls, methods)``, not per provider: the provider lives on the model
-    (``_qflax_provider``) and is freed with it (a mixed-precision search makes one
+    (``qflax_provider``) and is freed with it (a mixed-precision search makes one
     provider per candidate).
     """
 
@@ -310,7 +311,7 @@ def _quantized_class(cls: type, methods: tuple[str, ...]) -> type:
 
         @functools.wraps(original)
         def method(self: Any, *args: Any, **kwargs: Any) -> Any:
-            provider = self._qflax_provider
+            provider = self.qflax_provider
             update = bool(getattr(self, "qflax_update_stats", False))
             ctx = CallContext(flavors.NNX, Mode.APPLY, update_stats=update)
             with _calling(provider, ctx):
@@ -322,6 +323,7 @@ def _quantized_class(cls: type, methods: tuple[str, ...]) -> type:
 
     attrs: dict[str, Any] = {name: wrap(name) for name in methods}
     attrs["_qflax_quantized"] = True
+    attrs["qflax_methods"] = methods
     attrs["__qualname__"] = f"Quantized{cls.__qualname__}"
     attrs["__module__"] = cls.__module__
     return type(f"Quantized{cls.__name__}", (cls,), attrs)
@@ -351,7 +353,7 @@ def _quantize_nnx(
     except BaseException:
         model.__class__ = given
         raise
-    model._qflax_provider = provider  # type: ignore[attr-defined]
+    model.qflax_provider = provider  # type: ignore[attr-defined]
     model.__class__ = _quantized_class(type(model), methods)
     if provider.learns_statistics:
         model.qflax_update_stats = True  # type: ignore[attr-defined]

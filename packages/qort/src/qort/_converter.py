@@ -30,7 +30,17 @@ from onnx import helper
 from qort import _lowering, _quantized
 from qort._capture import PREFIX, SiteRecord
 from qort._errors import ExportError
-from qort._graph import OPSET, Const, Graph, Tensor, Unit, Value, value_info
+from qort._graph import (
+    CONTRIB_DOMAIN,
+    OPSET,
+    Const,
+    Graph,
+    Tensor,
+    Unit,
+    Value,
+    deduplicated,
+    value_info,
+)
 
 # Calls whose body is inlined, and the parameter holding it.
 _INLINE = {
@@ -236,16 +246,18 @@ def convert(
         outputs.append(Tensor(n, v.shape, np.dtype(v.dtype)))
         w.refs[n] = w.refs[v.name] if isinstance(v, Tensor) else v.value
     _prune(w.g, [t.name for t in outputs])
+    # Validation cuts the graph per unit from w.g.nodes; the model drops repeats.
     graph = helper.make_graph(
-        w.g.nodes,
+        deduplicated(w.g.nodes, [t.name for t in outputs]),
         "qort",
         [value_info(t) for t in inputs],
         [value_info(t) for t in outputs],
         list(w.g.initializers.values()),
     )
-    model = helper.make_model(
-        graph, opset_imports=[helper.make_opsetid("", OPSET)], producer_name="qort"
-    )
+    opsets = [helper.make_opsetid("", OPSET)]
+    if any(node.domain == CONTRIB_DOMAIN for node in graph.node):
+        opsets.append(helper.make_opsetid(CONTRIB_DOMAIN, 1))
+    model = helper.make_model(graph, opset_imports=opsets, producer_name="qort")
     model.ir_version = IR_VERSION
     try:
         onnx.checker.check_model(model)

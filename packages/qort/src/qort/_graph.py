@@ -19,6 +19,8 @@ from onnx import helper, numpy_helper
 
 # The ONNX operator set written: 21 has int4/uint4 and blocked DequantizeLinear.
 OPSET = 21
+# ONNX Runtime's contrib operators (w8a8 products use its MatMulIntegerToFloat).
+CONTRIB_DOMAIN = "com.microsoft"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,3 +141,59 @@ def onnx_dtype(dtype: Any) -> int:
 def value_info(tensor: Tensor) -> onnx.ValueInfoProto:
     """The graph input/output declaration of ``tensor``."""
     return helper.make_tensor_value_info(tensor.name, onnx_dtype(tensor.dtype), list(tensor.shape))
+
+
+_NONDETERMINISTIC = {
+    "RandomNormal",
+    "RandomNormalLike",
+    "RandomUniform",
+    "RandomUniformLike",
+    "Multinomial",
+    "Bernoulli",
+    "Dropout",
+}
+_SUBGRAPHS = (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS)
+
+
+def deduplicated(nodes: Sequence[onnx.NodeProto], keep: Sequence[str]) -> list[onnx.NodeProto]:
+    """``nodes`` with repeated computations dropped (common subexpression elimination).
+
+    A node equal to an earlier one (same op, domain, inputs after renaming and
+    attributes) is dropped and its outputs are read from the earlier node instead;
+    this is how three products of one activation (a transformer's query, key and
+    value) share one activation quantization. Nodes writing a name in ``keep`` (graph
+    outputs) and nodes with subgraphs stay. ``nodes`` must be in topological order.
+    """
+    rename: dict[str, str] = {}
+    seen: dict[tuple, list[str]] = {}
+    out: list[onnx.NodeProto] = []
+    for node in nodes:
+        inputs = [rename.get(x, x) for x in node.input]
+        if inputs != list(node.input):
+            node = _with_inputs(node, inputs)
+        key = (
+            node.op_type,
+            node.domain,
+            tuple(inputs),
+            tuple(sorted(a.SerializeToString() for a in node.attribute)),
+        )
+        earlier = seen.get(key)
+        reusable = (
+            node.op_type not in _NONDETERMINISTIC
+            and not any(a.type in _SUBGRAPHS for a in node.attribute)
+            and not any(o in keep for o in node.output)
+        )
+        if earlier is not None and reusable:
+            rename.update(zip(node.output, earlier, strict=True))
+            continue
+        if reusable:
+            seen[key] = list(node.output)
+        out.append(node)
+    return out
+
+
+def _with_inputs(node: onnx.NodeProto, inputs: list[str]) -> onnx.NodeProto:
+    copy = onnx.NodeProto()
+    copy.CopyFrom(node)
+    copy.input[:] = inputs
+    return copy

@@ -10,8 +10,8 @@ Dynamic-range products (w8a8) become::
     scale = max(bound * (1/127.5), tiny), or 1 where bound is 0
     codes = QuantizeLinear(x * (1 / scale), 1, zero point 128)  # uint8
     codes[argmin(x)] = 0 where min(x) / scale < -127.5 + 127.5 * 2**-19
-    acc   = MatMulInteger(codes, weight codes + 128, 128, 128)  # exact int32
-    y     = acc * scale * weight scale
+    y     = MatMulIntegerToFloat(codes, weight codes + 128, 1, weight scale, 128, 128)
+    y     = y * scale   # the exact int32 sum times both scales
 
 which is qcore's arithmetic as XLA computes it, step for step: XLA turns both
 divisions into multiplications by a reciprocal, and qcore sends values within 32
@@ -39,7 +39,7 @@ import qcore
 from qcore import calibration, packing
 from qort._capture import SiteRecord
 from qort._errors import ExportError
-from qort._graph import Const, Graph, Tensor, Value, onnx_dtype
+from qort._graph import CONTRIB_DOMAIN, Const, Graph, Tensor, Value, onnx_dtype
 from qort._lowering import conv, ints
 
 _TINY = np.float32(np.finfo(np.float32).tiny)
@@ -305,16 +305,18 @@ def _dynamic(
     q2 = q if rows == m else g.op("Reshape", q, ints(g, mk))
     w_u8 = g.const((codes.astype(np.int16) + 128).astype(np.uint8), "w")
     zp128 = g.const(np.uint8(128))
-    acc = g.op("MatMulInteger", q2, w_u8, zp128, zp128)
     n = codes.shape[1]
-    y = g.op("Cast", acc, to=onnx_dtype(np.float32))
+    # ONNX Runtime's MatMulIntegerToFloat is MatMulInteger, Cast and the product with
+    # a_scale * b_scale (here 1 * the weight's scale) in one kernel: the exact sum
+    # times the weight scale, then the row's activation scale.
+    w_scale = g.const(scale.reshape(n).astype(np.float32))
+    y = g.op("MatMulIntegerToFloat", q2, w_u8, one, w_scale, zp128, zp128, domain=CONTRIB_DOMAIN)
     if rows == m:
         y = g.op("Mul", y, act_scale)
     else:  # one scale per group of rows/m consecutive rows
         y3 = g.op("Reshape", y, ints(g, (rows, m // rows, n)))
         s3 = g.op("Reshape", act_scale, ints(g, (rows, 1, 1)))
         y = g.op("Reshape", g.op("Mul", y3, s3), ints(g, (m, n)))
-    y = g.op("Mul", y, g.const(scale.reshape(1, n).astype(np.float32)))
     check = CodeCheck(
         q, perm, (rows, cols), spec, codes.astype(np.int32), scale.reshape(1, n), act_scale
     )

@@ -33,6 +33,7 @@ from typing import Any
 
 import jax
 import onnx
+from flax import nnx
 
 import qflax
 from qort import _converter
@@ -109,18 +110,22 @@ def export(
     validate: bool = True,
     threads: int | None = None,
 ) -> Exported:
-    """Exports a Flax Linen model, qflax-quantized or float, to ONNX.
+    """Exports a Flax model (Linen or NNX), qflax-quantized or float, to ONNX.
 
     A model made by :func:`qflax.quantize_model` with a :class:`~qflax.PtqProvider`
     runs with the same rules and params; its weight-quantized products become
     integer ONNX ops (see ``docs/qort.md`` for which format becomes which op), the
-    rest of the model float ONNX ops.
+    rest of the model float ONNX ops. An NNX model holds its variables, so its
+    inputs follow it directly: ``export(nnx_model, x)``; it is not modified (a
+    quantized one is cloned to capture its products).
 
     Args:
-        model: A Linen module: ``qflax.quantize_model(model, qflax.PtqProvider(...))``
-            or a float one.
-        variables: Its variables, ``{"params": ...}`` (quantized params for a
+        model: A Linen module (``qflax.quantize_model(model, qflax.PtqProvider(...))``
+            or a float one), or an NNX module (quantized in place by
+            ``quantize_model``, or float).
+        variables: Linen: its variables, ``{"params": ...}`` (quantized params for a
             quantized model, as ``qmodel.init`` or ``qflax.quantize_params`` give).
+            NNX: the first input.
         *example_inputs: Inputs of one call; the graph has their shapes and dtypes
             (fixed: a model for another batch size is another export).
         method: The model's method to export (default ``__call__``).
@@ -137,23 +142,22 @@ def export(
             it and where it was traced), or a bad argument.
         qort.ValidationError: The graph disagrees with JAX (naming the first op).
     """
+    if isinstance(model, nnx.Module):
+        # NNX models hold their variables: ``variables`` is the first input.
+        inputs = example_inputs if variables is None else (variables, *example_inputs)
+        fn, sites = _nnx_function(model, inputs, method)
+        return _export(fn, inputs, sites, input_names, output_names, validate, threads)
     provider = getattr(model, "qflax_provider", None)
     if provider is not None:
-        if not isinstance(provider, qflax.PtqProvider) or isinstance(provider, qflax.LoraProvider):
-            raise ExportError(
-                f"model's provider is a {type(provider).__name__}; allowed: qflax.PtqProvider "
-                "(quantize a QAT-trained model's params with qflax.quantize_params and a "
-                "PtqProvider model first)"
-            )
-        capture = CaptureProvider(provider.rules)
+        capture = _capture_provider(model, provider)
         model = qflax.quantize_model(model, capture, methods=model.methods)
         sites = capture.sites
     else:
         sites = {}
     if not hasattr(model, "apply"):
         raise ExportError(
-            f"model is a {type(model).__name__}; allowed: a Flax Linen module (use "
-            "qort.export_function for a JAX function)"
+            f"model is a {type(model).__name__} object; allowed: a Flax Linen or NNX module "
+            "(use qort.export_function for a JAX function)"
         )
     kw = {} if method is None else {"method": method}
 
@@ -161,6 +165,41 @@ def export(
         return model.apply(variables, *args, **kw)
 
     return _export(fn, example_inputs, sites, input_names, output_names, validate, threads)
+
+
+def _capture_provider(model: Any, provider: Any) -> CaptureProvider:
+    if not isinstance(provider, qflax.PtqProvider) or isinstance(provider, qflax.LoraProvider):
+        raise ExportError(
+            f"model's provider is a {type(provider).__name__}; allowed: qflax.PtqProvider "
+            "(quantize a QAT-trained model's params with qflax.quantize_params and a "
+            "PtqProvider model first)"
+        )
+    return CaptureProvider(provider.rules)
+
+
+def _nnx_function(model: nnx.Module, inputs: tuple, method: str | None) -> tuple[Any, dict]:
+    """A pure function of the inputs running ``model``, and its captured sites.
+
+    A quantized model is cloned and the clone re-quantized with a
+    :class:`CaptureProvider` of the same rules (its quantized params stay as they
+    are), so the user's model is left untouched.
+    """
+    name = method or "__call__"
+    provider = getattr(model, "qflax_provider", None)
+    sites: dict = {}
+    if provider is not None:
+        capture = _capture_provider(model, provider)
+        model = nnx.clone(model)
+        qflax.quantize_model(model, capture, *inputs, methods=model.qflax_methods)
+        sites = capture.sites
+    if not callable(getattr(model, name, None)):
+        raise ExportError(f"method={name!r}: {type(model).__name__} has no such method")
+    graphdef, state = nnx.split(model)
+
+    def fn(*args: Any) -> Any:
+        return getattr(nnx.merge(graphdef, state), name)(*args)
+
+    return fn, sites
 
 
 def export_function(
