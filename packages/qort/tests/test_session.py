@@ -97,3 +97,13 @@ def test_save_replaces_atomically_and_keeps_files_on_failure(
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dir", "model.onnx"]
     exported.save(target, overwrite=True)
     assert onnx.load(target).graph.input[0].name == "ids"
+
+
+def test_saved_file_has_the_permissions_of_a_new_file(
+    exported: qort.Exported, tmp_path: Path
+) -> None:
+    """A saved model is readable like any file the user creates (not the 0600 of a temp file)."""
+    reference = tmp_path / "reference"
+    reference.write_bytes(b"")
+    saved = exported.save(tmp_path / "model.onnx")
+    assert saved.stat().st_mode & 0o777 == reference.stat().st_mode & 0o777

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -36,6 +35,7 @@ import onnx
 from flax import nnx
 
 import qflax
+from qcore.files import write_atomic
 from qort import _converter
 from qort._capture import CaptureProvider
 from qort._errors import ExportError, ValidationError
@@ -89,15 +89,7 @@ class Exported:
             raise ValueError(
                 f"path={str(path)!r}: the directory {str(path.parent)!r} does not exist"
             )
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(self.model.SerializeToString())
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
-        return path
+        return write_atomic(path, self.model.SerializeToString())
 
 
 def export(
