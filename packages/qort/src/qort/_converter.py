@@ -233,6 +233,11 @@ def convert(
         # JAX traces int64 and float64 examples as int32 and float32 (x64 off).
         w.refs[n] = np.asarray(x).astype(var.aval.dtype)
     outs, _ = w.run(closed.jaxpr, closed.consts, inputs, [jax.numpy.asarray(x) for x in flat])
+    if not outs:
+        raise ExportError(
+            f"the function returns no arrays (output structure {out_tree}); allowed: at least "
+            "one array output"
+        )
     names = list(output_names) if output_names else [f"output_{i}" for i in range(len(outs))]
     if len(names) != len(outs):
         raise ExportError(
@@ -241,6 +246,8 @@ def convert(
         )
     outputs = []
     for v, n in zip(outs, names, strict=True):
+        # Every output is an Identity of its value: outputs that are graph inputs,
+        # initializers or another output's value are graph outputs of their own.
         src = _lowering.name(w.g, v)
         w.g.nodes.append(helper.make_node("Identity", [src], [n]))
         outputs.append(Tensor(n, v.shape, np.dtype(v.dtype)))

@@ -134,7 +134,7 @@ def validate(
     """Validates a converted model op by op (see the module docstring)."""
     units = [(i, u) for i, u in enumerate(conv.graph.units) if u.nodes]
     results: dict[int, UnitResult] = {}
-    for chunk in _chunks(units, conv.refs):
+    for chunk in _chunks(units, conv.refs) if units else []:  # outputs may be inputs
         outputs = _run_cut(conv, chunk, threads)
         for i, unit in chunk:
             results[i] = _judge(conv, i, unit, outputs)
