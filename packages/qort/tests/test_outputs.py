@@ -40,3 +40,26 @@ def test_outputs_that_are_inputs_or_constants(name: str) -> None:
 def test_a_function_without_outputs_is_refused() -> None:
     with pytest.raises(qort.ExportError, match=r"returns no arrays \(output structure PyTreeDef\(None\)\); allowed: at least one"):
         qort.export_function(lambda x: None, X)
+
+
+@pytest.mark.parametrize("name", ["input", "input_twice", "mixed"])
+def test_a_saved_model_returns_the_same_structure(name: str, tmp_path: Path) -> None:
+    """The output structure travels in the file's metadata (it was a flat tuple)."""
+    fn = PASS_THROUGH[name]
+    path = qort.export_function(fn, X).save(tmp_path / "m.onnx")
+    _same(qort.Session(path)(X), fn(X))
+
+
+def test_one_element_tuple_and_nested_outputs_from_a_file(tmp_path: Path) -> None:
+    fn = lambda x: ((x * 2,), {"z": [x + 1, {"y": x.sum()}], "a": ()})  # noqa: E731
+    path = qort.export_function(fn, X).save(tmp_path / "m.onnx")
+    _same(qort.Session(path)(X), fn(X))
+
+
+def test_pytree_inputs_are_taken_as_leaves_in_jax_tree_order(tmp_path: Path) -> None:
+    fn = lambda d: d["b"] - d["a"]  # noqa: E731
+    inputs = {"b": X, "a": X * 3}
+    exported = qort.export_function(fn, inputs)
+    assert exported.input_names == ["input_0", "input_1"]  # "a" then "b": sorted keys
+    got = qort.Session(exported)(*jax.tree.leaves(inputs))
+    np.testing.assert_array_equal(got, np.asarray(fn(inputs)))

@@ -27,7 +27,7 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from qort import _lowering, _quantized
+from qort import _lowering, _quantized, _tree
 from qort._capture import PREFIX, SiteRecord
 from qort._errors import ExportError
 from qort._graph import (
@@ -266,6 +266,9 @@ def convert(
         opsets.append(helper.make_opsetid(CONTRIB_DOMAIN, 1))
     model = helper.make_model(graph, opset_imports=opsets, producer_name="qort")
     model.ir_version = IR_VERSION
+    structure = _tree.encode(out_tree)
+    if structure is not None:
+        helper.set_model_props(model, {_tree.KEY: structure})
     try:
         onnx.checker.check_model(model)
     except onnx.checker.ValidationError as e:  # a lowering bug, not the user's

@@ -23,6 +23,8 @@ from typing import Any
 import numpy as np
 import onnx
 
+from qort import _tree
+
 _ONNX_TO_NUMPY = {
     "tensor(float)": np.float32,
     "tensor(double)": np.float64,
@@ -67,7 +69,12 @@ class Session:
         threads: Intra-op threads (None: ONNX Runtime's default, one per core).
 
     Calling it with the model's inputs in order returns its outputs as NumPy arrays
-    (one array, or the exported function's output structure). Inputs may be NumPy
+    in the exported function's output structure (one array, or the tuples, lists and
+    dicts it returned; a ``.onnx`` file carries that structure in its metadata, and
+    a structure with other node types comes back as a flat tuple). The inputs are
+    the array *leaves* of the example inputs, in ``jax.tree.leaves`` order (a dict's
+    keys sorted): for ``export_function(fn, {"b": x, "a": y})`` call
+    ``session(y, x)``, or :meth:`run` by input name. Inputs may be NumPy
     or JAX arrays, or anything ``np.asarray`` takes; float64 inputs of a float32
     model are cast; integer inputs (token ids) may be any integer dtype whose values
     fit the model's. Wrong counts, shapes and dtypes raise ``ValueError`` naming the
@@ -99,6 +106,8 @@ class Session:
             (i.name, tuple(i.shape), _ONNX_TO_NUMPY.get(i.type)) for i in self._session.get_inputs()
         ]
         self.output_names = [o.name for o in self._session.get_outputs()]
+        meta = self._session.get_modelmeta().custom_metadata_map
+        self._structure = meta.get(_tree.KEY) if self._out_tree is None else None
 
     def __call__(self, *args: Any) -> Any:
         """Runs the model (see the class docstring)."""
@@ -113,6 +122,8 @@ class Session:
             import jax  # noqa: PLC0415
 
             return jax.tree.unflatten(self._out_tree, outs)
+        if self._structure is not None:
+            return _tree.decode(self._structure, outs)
         return outs[0] if len(outs) == 1 else tuple(outs)
 
     def run(self, feeds: dict[str, Any]) -> list[np.ndarray]:
