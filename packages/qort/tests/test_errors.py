@@ -52,10 +52,12 @@ def test_bad_arguments() -> None:
         qort.ExportError, match="model is a function object; allowed: a Flax Linen or NNX module"
     ):
         qort.export(lambda x: x, {}, X)
-    with pytest.raises(qort.ExportError, match="fn is a int; allowed: a callable"):
+    with pytest.raises(qort.ExportError, match="fn is an int; allowed: a callable"):
         qort.export_function(3, X)
     with pytest.raises(qort.ExportError, match="example input 0 is a str"):
         qort.export_function(lambda x: x, "x")
+    with pytest.raises(qort.ExportError, match="model is an object; allowed: a Flax Linen"):
+        qort.export(object(), {}, X)
     with pytest.raises(qort.ExportError, match=r"input_names=\['a', 'a'\]; allowed: 2 distinct"):
         qort.export_function(lambda x, y: x + y, X, X, input_names=["a", "a"])
     with pytest.raises(

@@ -21,3 +21,11 @@ class ValidationError(RuntimeError):
     def __init__(self, message: str, report: object) -> None:
         super().__init__(message)
         self.report = report
+
+
+def kind(value: object) -> str:
+    """What ``value`` is, for messages: ``"None"``, ``"an int"``, ``"a str"``."""
+    if value is None:
+        return "None"
+    name = type(value).__name__
+    return f"{'an' if name[:1].lower() in 'aeiou' else 'a'} {name}"

@@ -38,7 +38,7 @@ import qflax
 from qcore.files import write_atomic
 from qort import _converter
 from qort._capture import CaptureProvider
-from qort._errors import ExportError, ValidationError
+from qort._errors import ExportError, ValidationError, kind
 from qort.validation import ValidationReport, validate
 
 
@@ -80,7 +80,7 @@ class Exported:
             FileExistsError: ``path`` exists and ``overwrite`` is False.
             ValueError: ``path`` is a directory, or its directory does not exist.
         """
-        path = Path(path)
+        path = Path(path).expanduser()
         if path.is_dir():
             raise ValueError(f"path={str(path)!r} is a directory; allowed: a file path")
         if path.exists() and not overwrite:
@@ -148,8 +148,8 @@ def export(
         sites = {}
     if not hasattr(model, "apply"):
         raise ExportError(
-            f"model is a {type(model).__name__} object; allowed: a Flax Linen or NNX module "
-            "(use qort.export_function for a JAX function)"
+            f"model is {kind(model)}; allowed: a Flax Linen or NNX module (use "
+            "qort.export_function for a JAX function)"
         )
     kw = {} if method is None else {"method": method}
 
@@ -162,7 +162,7 @@ def export(
 def _capture_provider(model: Any, provider: Any) -> CaptureProvider:
     if not isinstance(provider, qflax.PtqProvider) or isinstance(provider, qflax.LoraProvider):
         raise ExportError(
-            f"model's provider is a {type(provider).__name__}; allowed: qflax.PtqProvider "
+            f"model's provider is {kind(provider)}; allowed: qflax.PtqProvider "
             "(quantize a QAT-trained model's params with qflax.quantize_params and a "
             "PtqProvider model first)"
         )
@@ -216,7 +216,7 @@ def export_function(
         The :class:`Exported` model.
     """
     if not callable(fn):
-        raise ExportError(f"fn is a {type(fn).__name__}; allowed: a callable")
+        raise ExportError(f"fn is {kind(fn)}; allowed: a callable")
     return _export(fn, example_inputs, {}, input_names, output_names, validate, threads)
 
 
@@ -233,7 +233,7 @@ def _export(
     for i, x in enumerate(leaves):
         if not hasattr(x, "shape") or not hasattr(x, "dtype"):
             raise ExportError(
-                f"example input {i} is a {type(x).__name__}; allowed: arrays (NumPy or JAX)"
+                f"example input {i} is {kind(x)}; allowed: arrays (NumPy or JAX)"
             )
     names = (
         list(input_names) if input_names is not None else [f"input_{i}" for i in range(len(leaves))]

@@ -24,6 +24,7 @@ import numpy as np
 import onnx
 
 from qort import _tree
+from qort._errors import kind
 
 _ONNX_TO_NUMPY = {
     "tensor(float)": np.float32,
@@ -90,13 +91,13 @@ class Session:
         if isinstance(model, onnx.ModelProto):
             source: Any = model.SerializeToString()
         elif isinstance(model, str | os.PathLike):
-            path = Path(model)
+            path = Path(model).expanduser()
             if not path.is_file():
                 raise ValueError(f"model={str(model)!r} is not a file; allowed: a .onnx file")
             source = str(path)
         else:
             raise TypeError(
-                f"model is a {type(model).__name__}; allowed: qort.Exported, onnx.ModelProto "
+                f"model is {kind(model)}; allowed: qort.Exported, onnx.ModelProto "
                 "or a path"
             )
         self._session = ort.InferenceSession(
@@ -146,6 +147,8 @@ def _checked(name: str, shape: Sequence[Any], dtype: Any, value: Any) -> np.ndar
         x = np.asarray(value)
     except Exception as e:  # noqa: BLE001 - any conversion failure is the caller's input
         raise ValueError(f"input {name!r} is not an array ({type(value).__name__}): {e}") from None
+    if x.dtype.kind in "OUS":  # None, a str, an object: np.asarray makes them 0-d arrays
+        raise ValueError(f"input {name!r} is {kind(value)}; allowed: an array")
     if tuple(x.shape) != tuple(shape):
         raise ValueError(
             f"input {name!r} has shape {tuple(x.shape)}; the model takes {tuple(shape)}"
