@@ -27,13 +27,17 @@ _REPEAT_CHECK_BYTES = 1 << 16
 def name(g: Graph, v: Value) -> str:
     """The graph name of ``v``; a constant becomes an initializer.
 
-    A large constant that repeats along some axes (a folded ``zeros_like(ids)``
-    lookup, a broadcast scale) is stored once per distinct slice and expanded by an
-    ``Expand`` node where it is read.
+    A constant whose values are all equal (a folded mask fill, ``ones`` scales) is
+    stored as one value and an ``Expand`` where that is smaller, whatever its size,
+    so the file does not grow with the example's shapes. A large constant that
+    repeats along some axes (a folded ``zeros_like(ids)`` lookup, a broadcast scale)
+    is stored once per distinct slice and expanded likewise.
     """
     if not isinstance(v, Const):
         return v.name
     value = v.value
+    if _splat_saves_bytes(value):
+        return g.op("Expand", g.const(value.reshape(-1)[0]), ints(g, value.shape))
     if value.nbytes <= _REPEAT_CHECK_BYTES:
         return g.const(value)
     small = value
@@ -43,6 +47,20 @@ def name(g: Graph, v: Value) -> str:
     if small.size == value.size:
         return g.const(value)
     return g.op("Expand", g.const(small), ints(g, value.shape))
+
+
+# What an Expand node and its shape initializer cost in the file, roughly (bytes).
+_EXPAND_BYTES = 64
+
+
+def _splat_saves_bytes(value: np.ndarray) -> bool:
+    """All values equal, and one value + shape + Expand is smaller than all of them."""
+    if value.size < 2 or value.nbytes <= value.itemsize + 8 * value.ndim + _EXPAND_BYTES:
+        return False
+    first = value.reshape(-1)[:1]
+    if np.all(value == first):
+        return True
+    return np.issubdtype(value.dtype, np.floating) and bool(np.all(np.isnan(value)))
 
 
 def ints(g: Graph, values: Sequence[int]) -> str:
