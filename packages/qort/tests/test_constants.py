@@ -5,6 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from models import Encoder
 from onnx import numpy_helper
 
@@ -52,3 +53,27 @@ def test_quantized_encoder_file_is_smaller_than_float_at_any_length() -> None:
         sizes[length] = q.nbytes
     # Only the folded position rows (24 more of 32 float32) grow with the length.
     assert sizes[32] - sizes[8] < 24 * 32 * 4 + 512, sizes
+
+
+TABLE = jnp.arange(50 * 6, dtype=jnp.float32).reshape(50, 6) / 7
+IDS = jnp.array([[1, 49, 50, 77], [-1, -50, -51, 0]], jnp.int32)  # 50, 77, -51: out of range
+LOOKUPS = {
+    "index_clamps": lambda t, i: t[i],
+    "take_fills_nan": lambda t, i: jnp.take(t, i, axis=0),
+    "take_clip": lambda t, i: jnp.take(t, i, axis=0, mode="clip"),
+    "take_fill_value": lambda t, i: jnp.take(t, i, axis=0, mode="fill", fill_value=-3.0),
+    "take_int_table": lambda t, i: jnp.take((t * 7).astype(jnp.int32), i, axis=0),
+    "take_uint8_table": lambda t, i: jnp.take((t * 3).astype(jnp.uint8), i, axis=0),
+}
+
+
+@pytest.mark.parametrize("name", sorted(LOOKUPS))
+def test_out_of_range_ids_give_jax_results(name: str) -> None:
+    """ONNX Gather fails on such ids; the graph clamps or fills as JAX's mode does."""
+    fn = LOOKUPS[name]
+    in_range = jnp.clip(IDS, 0, 49)
+    for example in (in_range, IDS):  # exported on valid ids, and validated on invalid ones
+        exported = qort.export_function(fn, TABLE, example)
+        assert exported.report is not None and exported.report.ok, str(exported.report)
+        got = qort.Session(exported)(TABLE, IDS)
+        np.testing.assert_array_equal(got, np.asarray(fn(TABLE, IDS)))

@@ -348,7 +348,31 @@ def _gather(g: Graph, eqn: Any, ins: list[Value]) -> list[str]:
             "looked up along axis 0 (jnp.take(table, ids, axis=0), table[ids])"
         )
     idx = _reshape_to(g, name(g, indices), indices.shape[:-1])
-    return [g.op("Gather", name(g, operand), idx, axis=0)]
+    # ONNX Gather fails on ids outside [-rows, rows); XLA clamps them (indexing,
+    # mode="clip") or returns a fill value (jnp.take's default mode="fill").
+    rows = operand.shape[0]
+    dtype = np.dtype(indices.dtype)
+    clipped = g.op("Clip", idx, g.const(np.asarray(0, dtype)), g.const(np.asarray(rows - 1, dtype)))
+    out = g.op("Gather", name(g, operand), clipped, axis=0)
+    if "FILL" not in str(eqn.params.get("mode")):
+        return [out]
+    inside = g.op("Equal", idx, clipped)
+    inside = _reshape_to(g, inside, (*indices.shape[:-1], *([1] * (rank - 1))))
+    fill = g.const(np.asarray(_fill_value(eqn.params.get("fill_value"), operand.dtype)))
+    return [g.op("Where", inside, out, fill)]
+
+
+def _fill_value(fill: Any, dtype: Any) -> Any:
+    """What XLA's gather in mode="fill" returns for an id out of range (jax.lax.gather)."""
+    dtype = np.dtype(dtype)
+    if fill is not None:
+        return np.asarray(fill).astype(dtype)
+    if np.issubdtype(dtype, np.inexact):
+        return np.asarray(np.nan, dtype)
+    if np.issubdtype(dtype, np.integer):
+        info = np.iinfo(dtype)
+        return np.asarray(info.min if np.issubdtype(dtype, np.signedinteger) else info.max, dtype)
+    return np.asarray(True, dtype)
 
 
 def conv(g: Graph, lhs: Value, rhs: Value, p: dict) -> str:
