@@ -38,7 +38,10 @@ def test_outputs_that_are_inputs_or_constants(name: str) -> None:
 
 
 def test_a_function_without_outputs_is_refused() -> None:
-    with pytest.raises(qort.ExportError, match=r"returns no arrays \(output structure PyTreeDef\(None\)\); allowed: at least one"):
+    with pytest.raises(
+        qort.ExportError,
+        match=r"returns no arrays \(output structure PyTreeDef\(None\)\); allowed: at least one",
+    ):
         qort.export_function(lambda x: None, X)
 
 

@@ -7,6 +7,13 @@ example inputs (the *reference*, which validation feeds to each op on its own).
 - Calls (``jit``, ``custom_jvp_call``, ``custom_vjp_call``, ``remat``...) are
   inlined, except qflax's captured quantized ops (:mod:`qort._capture`), which
   become integer ONNX ops (:mod:`qort._quantized`).
+- Loops are unrolled: ``scan`` (``nn.scan`` over layers, ``fori_loop`` with
+  Python bounds) has a fixed length, and a ``while`` loop whose condition depends
+  on constants only runs a number of steps known at export. A ``cond`` / ``switch``
+  on a constant is its branch; on a graph value, every branch is computed and the
+  outputs selected (``Where``). Each step is lowered (and validated) again.
+- Equations whose results nothing reads (Flax's scan leaves a dead copy of its
+  body's first call outside the loop) are skipped.
 - An equation whose inputs are all constants is folded: its JAX value becomes an
   initializer (this is how a weight's layout change or a position table costs
   nothing at run time).
@@ -52,8 +59,11 @@ _INLINE = {
     "custom_vjp_call": "call_jaxpr",
     "custom_vjp_call_jaxpr": "fun_jaxpr",
     "remat": "jaxpr",
+    "remat2": "jaxpr",
     "checkpoint": "jaxpr",
 }
+# A while loop on constants is unrolled up to this many steps.
+_MAX_WHILE_STEPS = 10_000
 # Folded broadcasts larger than this stay a broadcast of a small initializer.
 _FOLD_LIMIT_BYTES = 1 << 20
 # ONNX Runtime reads IR version 10 (opset 21) models; newer onnx releases write 11+.
@@ -105,7 +115,7 @@ class _Walker:
                 return Const(np.asarray(atom.val, getattr(atom.aval, "dtype", None))), atom.val
             return env[atom], ref[atom]
 
-        for eqn in jaxpr.eqns:
+        for eqn in _live(jaxpr):
             ins, rins = zip(*(read(a) for a in eqn.invars), strict=True) if eqn.invars else ((), ())
             outs, routs = self.equation(eqn, list(ins), list(rins))
             for var, v, r in zip(eqn.outvars, outs, routs, strict=True):
@@ -121,9 +131,13 @@ class _Walker:
         if prim in ("pjit", "jit") and str(eqn.params.get("name", "")).startswith(PREFIX):
             return self.site(eqn, ins, rins)
         if prim in _INLINE and _INLINE[prim] in eqn.params:
-            body = eqn.params[_INLINE[prim]]
-            jaxpr, consts = (body.jaxpr, body.consts) if hasattr(body, "consts") else (body, [])
-            return self.run(jaxpr, consts, ins, rins)
+            return self.call(eqn.params[_INLINE[prim]], ins, rins)
+        if prim == "scan":
+            return self.scan(eqn, ins, rins)
+        if prim == "while":
+            return self.while_loop(eqn, ins, rins)
+        if prim == "cond":
+            return self.cond(eqn, ins, rins)
         routs = eqn.primitive.bind(*rins, **eqn.params)
         routs = list(routs) if eqn.primitive.multiple_results else [routs]
         if all(isinstance(v, Const) for v in ins) and not self._keep_unfolded(eqn, ins):
@@ -136,6 +150,116 @@ class _Walker:
         outs = self._outputs(eqn, names, routs)
         self.g.end(Unit(prim, _tensors(ins), outs, [], source=_where(eqn)))
         return list(outs), routs
+
+    def call(self, body: Any, ins: list[Value], rins: list[Any]) -> tuple[list[Value], list[Any]]:
+        """Inlines a jaxpr (closed or open) called on ``ins``."""
+        jaxpr, consts = (body.jaxpr, body.consts) if hasattr(body, "consts") else (body, [])
+        return self.run(jaxpr, consts, ins, rins)
+
+    def scan(self, eqn: Any, ins: list[Value], rins: list[Any]) -> tuple[list[Value], list[Any]]:
+        """``lax.scan`` unrolled: the body once per step, on slices of the scanned inputs."""
+        p = eqn.params
+        n_consts, n_carry, length = p["num_consts"], p["num_carry"], int(p["length"])
+        consts, carry, xs = (
+            ins[:n_consts],
+            ins[n_consts : n_consts + n_carry],
+            ins[n_consts + n_carry :],
+        )
+        rconsts = rins[:n_consts]
+        rcarry, rxs = rins[n_consts : n_consts + n_carry], rins[n_consts + n_carry :]
+        ys: list[list[tuple[Value, Any]]] = [[] for _ in eqn.outvars[n_carry:]]
+        steps = range(length - 1, -1, -1) if p["reverse"] else range(length)
+        for t in steps:
+            x_t = [self._index(x, r, t, eqn) for x, r in zip(xs, rxs, strict=True)]
+            outs, routs = self.call(
+                p["jaxpr"],
+                [*consts, *carry, *(v for v, _ in x_t)],
+                [*rconsts, *rcarry, *(r for _, r in x_t)],
+            )
+            carry, rcarry = outs[:n_carry], routs[:n_carry]
+            for k, (v, r) in enumerate(zip(outs[n_carry:], routs[n_carry:], strict=True)):
+                ys[k].append((v, r))
+        if p["reverse"]:
+            ys = [list(reversed(y)) for y in ys]
+        stacked = [self._stack(y, eqn) for y in ys]
+        return [*carry, *(v for v, _ in stacked)], [*rcarry, *(r for _, r in stacked)]
+
+    def while_loop(
+        self, eqn: Any, ins: list[Value], rins: list[Any]
+    ) -> tuple[list[Value], list[Any]]:
+        """``lax.while_loop`` unrolled while its condition is a constant."""
+        p = eqn.params
+        nc, nb = p["cond_nconsts"], p["body_nconsts"]
+        cconsts, bconsts, state = ins[:nc], ins[nc : nc + nb], ins[nc + nb :]
+        rcc, rbc, rstate = rins[:nc], rins[nc : nc + nb], rins[nc + nb :]
+        for _ in range(_MAX_WHILE_STEPS + 1):
+            (go,), _ = self.call(p["cond_jaxpr"], [*cconsts, *state], [*rcc, *rstate])
+            if not isinstance(go, Const):
+                raise ExportError(
+                    f"a while_loop whose condition depends on the inputs has no ONNX lowering "
+                    f"(at {_where(eqn)}); allowed: a fixed number of steps (lax.scan, "
+                    "lax.fori_loop with Python int bounds, or a condition on constants)"
+                )
+            if not bool(go.value):
+                return state, rstate
+            state, rstate = self.call(p["body_jaxpr"], [*bconsts, *state], [*rbc, *rstate])
+        raise ExportError(
+            f"a while_loop runs more than {_MAX_WHILE_STEPS} steps (at {_where(eqn)}); "
+            f"allowed: at most {_MAX_WHILE_STEPS} (each step is unrolled)"
+        )
+
+    def cond(self, eqn: Any, ins: list[Value], rins: list[Any]) -> tuple[list[Value], list[Any]]:
+        """``lax.cond`` / ``switch``: the branch of a constant index, else all and Where."""
+        branches = eqn.params["branches"]
+        index, ops, rops = ins[0], ins[1:], rins[1:]
+        if isinstance(index, Const):
+            return self.call(branches[int(index.value)], ops, rops)
+        results = [self.call(b, ops, rops)[0] for b in branches]
+        routs = eqn.primitive.bind(*rins, **eqn.params)
+        self.g.begin()
+        idx = _lowering.name(self.g, index)
+        names = []
+        for k in range(len(eqn.outvars)):
+            out = _lowering.name(self.g, results[0][k])
+            for b in range(1, len(branches)):
+                hit = self.g.op("Equal", idx, self.g.const(np.asarray(b, index.dtype)))
+                out = self.g.op("Where", hit, _lowering.name(self.g, results[b][k]), out)
+            names.append(out)
+        outs = self._outputs(eqn, names, list(routs))
+        reads = [index, *(r[k] for r in results for k in range(len(eqn.outvars)))]
+        self.g.end(Unit("cond", _tensors(reads), outs, [], source=_where(eqn)))
+        return list(outs), list(routs)
+
+    def _index(self, x: Value, r: Any, t: int, eqn: Any) -> tuple[Value, Any]:
+        """Step ``t`` of a scanned input: ``x[t]``."""
+        if isinstance(x, Const):
+            return Const(np.asarray(x.value)[t]), r[t]
+        self.g.begin()
+        out = self.g.op("Gather", x.name, self.g.const(np.asarray(t, np.int64)), axis=0)
+        rt = np.asarray(r[t])
+        tensor = Tensor(out, x.shape[1:], np.dtype(x.dtype))
+        self.refs[out] = rt
+        self.g.end(Unit("scan step input", [x], [tensor], [], source=_where(eqn)))
+        return tensor, r[t]
+
+    def _stack(self, ys: list[tuple[Value, Any]], eqn: Any) -> tuple[Value, Any]:
+        """The per-step outputs of a scan stacked along a new axis 0."""
+        ref = jax.numpy.stack([r for _, r in ys])
+        if all(isinstance(v, Const) for v, _ in ys):
+            return Const(np.stack([np.asarray(v.value) for v, _ in ys])), ref
+        self.g.begin()
+        parts = [
+            self.g.op("Unsqueeze", _lowering.name(self.g, v), _lowering.ints(self.g, [0]))
+            for v, _ in ys
+        ]
+        out = self.g.op("Concat", *parts, axis=0)
+        v0 = ys[0][0]
+        tensor = Tensor(out, (len(ys), *v0.shape), np.dtype(v0.dtype))
+        self.refs[out] = np.asarray(ref)
+        self.g.end(
+            Unit("scan stack", _tensors([v for v, _ in ys]), [tensor], [], source=_where(eqn))
+        )
+        return tensor, ref
 
     def _keep_unfolded(self, eqn: Any, ins: list[Value]) -> bool:
         """A broadcast of a constant to a large shape stays a broadcast."""
@@ -168,6 +292,17 @@ class _Walker:
         if check is not None:
             self.checks[len(self.g.units) - 1] = check
         return list(outs), list(routs)
+
+
+def _live(jaxpr: Any) -> list[Any]:
+    """The equations of ``jaxpr`` whose results an output needs (or with effects)."""
+    needed = {v for v in jaxpr.outvars if isinstance(v, jex.Var)}
+    keep = []
+    for eqn in reversed(jaxpr.eqns):
+        if eqn.effects or any(v in needed for v in eqn.outvars if not isinstance(v, jex.DropVar)):
+            keep.append(eqn)
+            needed.update(v for v in eqn.invars if isinstance(v, jex.Var))
+    return keep[::-1]
 
 
 def _folded(value: Any) -> Any:

@@ -232,9 +232,7 @@ def _export(
     leaves = jax.tree.leaves(example_inputs)
     for i, x in enumerate(leaves):
         if not hasattr(x, "shape") or not hasattr(x, "dtype"):
-            raise ExportError(
-                f"example input {i} is {kind(x)}; allowed: arrays (NumPy or JAX)"
-            )
+            raise ExportError(f"example input {i} is {kind(x)}; allowed: arrays (NumPy or JAX)")
     names = (
         list(input_names) if input_names is not None else [f"input_{i}" for i in range(len(leaves))]
     )

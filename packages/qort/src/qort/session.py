@@ -97,8 +97,7 @@ class Session:
             source = str(path)
         else:
             raise TypeError(
-                f"model is {kind(model)}; allowed: qort.Exported, onnx.ModelProto "
-                "or a path"
+                f"model is {kind(model)}; allowed: qort.Exported, onnx.ModelProto or a path"
             )
         self._session = ort.InferenceSession(
             source, session_options(threads), providers=["CPUExecutionProvider"]
