@@ -62,6 +62,8 @@ _INLINE = {
     "remat2": "jaxpr",
     "checkpoint": "jaxpr",
 }
+# float16 equations compute in float32 between Casts (see _Walker.lower).
+_FLOAT16_IN_FLOAT32 = True
 # A while loop on constants is unrolled up to this many steps.
 _MAX_WHILE_STEPS = 10_000
 # Folded broadcasts larger than this stay a broadcast of a small initializer.
@@ -142,14 +144,50 @@ class _Walker:
         routs = list(routs) if eqn.primitive.multiple_results else [routs]
         if all(isinstance(v, Const) for v in ins) and not self._keep_unfolded(eqn, ins):
             return [Const(_folded(r)) for r in routs], routs
+        _check_no_bfloat16(eqn)
         self.g.begin()
         try:
-            names = _lowering.lower(self.g, eqn, ins)
+            names = self.lower(eqn, ins)
         except ExportError as e:
             raise ExportError(f"{e} (at {_where(eqn)})") from None
         outs = self._outputs(eqn, names, routs)
         self.g.end(Unit(prim, _tensors(ins), outs, [], source=_where(eqn)))
         return list(outs), routs
+
+    def lower(self, eqn: Any, ins: list[Value]) -> list[str]:
+        """The equation's ONNX nodes; float16 ones compute in float32, rounded after.
+
+        ONNX Runtime's CPU provider has no float16 kernel for most ops: it computes
+        them in float32 between Casts it inserts, and then drops a float32 -> float16
+        Cast of the graph that feeds one, so a ``convert_element_type`` to float16
+        lost its rounding. Writing the float32 computation and both Casts out (as
+        XLA computes float16 on the CPU: in float32, rounded after every op) leaves
+        ONNX Runtime nothing to insert or remove.
+        """
+        f16 = np.dtype(np.float16)
+        wide = [np.dtype(v.aval.dtype) == f16 for v in eqn.outvars]
+        if (
+            not _FLOAT16_IN_FLOAT32
+            or eqn.primitive.name == "convert_element_type"
+            or not any(np.dtype(v.dtype) == f16 for v in ins)
+            and not any(wide)
+        ):
+            return _lowering.lower(self.g, eqn, ins)
+        f32 = np.dtype(np.float32)
+        ins32: list[Value] = []
+        for v in ins:
+            if np.dtype(v.dtype) != f16:
+                ins32.append(v)
+            elif isinstance(v, Const):
+                ins32.append(Const(v.value.astype(f32)))
+            else:
+                cast = self.g.op("Cast", v.name, to=onnx.TensorProto.FLOAT)
+                ins32.append(Tensor(cast, v.shape, f32))
+        names = _lowering.lower(self.g, _Float32Equation(eqn), ins32)
+        return [
+            self.g.op("Cast", n, to=onnx.TensorProto.FLOAT16) if w else n
+            for n, w in zip(names, wide, strict=True)
+        ]
 
     def call(self, body: Any, ins: list[Value], rins: list[Any]) -> tuple[list[Value], list[Any]]:
         """Inlines a jaxpr (closed or open) called on ``ins``."""
@@ -292,6 +330,46 @@ class _Walker:
         if check is not None:
             self.checks[len(self.g.units) - 1] = check
         return list(outs), list(routs)
+
+
+class _Float32Equation:
+    """An equation seen with float32 in place of float16 (avals and dtype params)."""
+
+    def __init__(self, eqn: Any) -> None:
+        f16 = np.dtype(np.float16)
+        swap = lambda x: np.dtype(np.float32) if _is_dtype(x, f16) else x  # noqa: E731
+        self.primitive = eqn.primitive
+        self.source_info = eqn.source_info
+        self.params = {k: swap(v) for k, v in eqn.params.items()}
+        self.invars = eqn.invars
+        self.outvars = [
+            _Aval(v.aval.update(dtype=np.float32) if _is_dtype(v.aval.dtype, f16) else v.aval)
+            for v in eqn.outvars
+        ]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Aval:
+    aval: Any
+
+
+def _is_dtype(x: Any, dtype: np.dtype) -> bool:
+    try:
+        return isinstance(x, np.dtype | type) and np.dtype(x) == dtype
+    except TypeError:
+        return False
+
+
+def _check_no_bfloat16(eqn: Any) -> None:
+    """bfloat16 graph values: refused (ONNX Runtime's CPU kernels mostly lack them)."""
+    for v in (*eqn.invars, *eqn.outvars):
+        if getattr(getattr(v, "aval", None), "dtype", None) == jax.numpy.bfloat16:
+            raise ExportError(
+                f"the JAX primitive {eqn.primitive.name!r} computes in bfloat16 (at "
+                f"{_where(eqn)}); allowed: float32 or float16 (ONNX Runtime's CPU provider "
+                "has no bfloat16 kernels for most ops; compute in float32, e.g. a Flax "
+                "module's dtype=jnp.float32)"
+            )
 
 
 def _live(jaxpr: Any) -> list[Any]:

@@ -151,6 +151,12 @@ def export(
             f"model is {kind(model)}; allowed: a Flax Linen or NNX module (use "
             "qort.export_function for a JAX function)"
         )
+    for path, leaf in jax.tree_util.tree_flatten_with_path(variables)[0]:
+        if _is_bfloat16(leaf):
+            raise ExportError(
+                f"variables{jax.tree_util.keystr(path)} has dtype bfloat16; {_NO_BFLOAT16} "
+                "(cast the variables: jax.tree.map(lambda p: p.astype(jnp.float32), variables))"
+            )
     kw = {} if method is None else {"method": method}
 
     def fn(*args: Any) -> Any:
@@ -220,6 +226,16 @@ def export_function(
     return _export(fn, example_inputs, {}, input_names, output_names, validate, threads)
 
 
+_NO_BFLOAT16 = (
+    "allowed: float32, float16 or integer arrays (ONNX Runtime's CPU provider has no "
+    "bfloat16 kernels for most ops)"
+)
+
+
+def _is_bfloat16(x: Any) -> bool:
+    return getattr(getattr(x, "dtype", None), "name", None) == "bfloat16"
+
+
 def _export(
     fn: Any,
     example_inputs: Sequence[Any],
@@ -241,6 +257,12 @@ def _export(
             f"input_names={list(names)!r}; allowed: {len(leaves)} distinct names, one per "
             "input array"
         )
+    for i, (x, n) in enumerate(zip(leaves, names, strict=True)):
+        if _is_bfloat16(x):
+            raise ExportError(
+                f"example input {i} ({n!r}) has dtype bfloat16; {_NO_BFLOAT16} (cast the "
+                "input to float32)"
+            )
     conv = _converter.convert(fn, example_inputs, sites, names, output_names)
     report = None
     if validate_:
