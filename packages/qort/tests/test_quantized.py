@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import flax.linen as nn
 import jax
 import numpy as np
@@ -171,3 +173,25 @@ def test_gptq_and_awq_int4_params_validate(algorithm: str) -> None:
     assert exported.report is not None and exported.report.ok, str(exported.report)
     assert op_types(exported).count("DequantizeLinear") == 3
     assert_close_to(qort.Session(exported)(X), qmodel.apply({"params": params}, X), 1e-5)
+
+
+@pytest.mark.parametrize(("tile", "fused"), [(8, False), (16, True), (None, True)])
+def test_weight_only_products_onnx_runtime_does_not_fuse_are_reported(
+    tile: int | None, fused: bool
+) -> None:
+    """Blocks of 8 stay DequantizeLinear + float MatMul in ONNX Runtime (no MatMulNBits)."""
+    rule = {"weight_qtype": "int4"} | ({} if tile is None else {"tile_size": tile})
+    qmodel, variables = quantized(Mlp(), [qflax.QuantizationRule(**rule)], X)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        exported = qort.export(qmodel, variables, X)
+    report = exported.report
+    assert report is not None and report.ok, str(report)
+    messages = [str(w.message) for w in caught if issubclass(w.category, qort.ExportWarning)]
+    if fused:
+        assert report.unfused_weight_only == () and not messages
+    else:
+        assert report.unfused_weight_only == tuple(f"dense_{i}/dot_general0" for i in range(3))
+        assert "3 weight-only products run as DequantizeLinear + float MatMul" in str(report)
+        assert len(messages) == 1 and "block_size 8" in messages[0]
+        assert "power of two >= 16" in messages[0]

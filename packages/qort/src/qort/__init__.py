@@ -9,7 +9,7 @@ See the docs page "Deploy to ONNX Runtime".
 """
 
 from qort import validation
-from qort._errors import ExportError, ValidationError
+from qort._errors import ExportError, ExportWarning, ValidationError
 from qort.exported import Exported, export, export_function
 from qort.session import Session
 from qort.validation import UnitResult, ValidationReport
@@ -18,6 +18,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ExportError",
+    "ExportWarning",
     "Exported",
     "Session",
     "UnitResult",

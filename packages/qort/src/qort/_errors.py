@@ -11,6 +11,13 @@ class ExportError(ValueError):
     """
 
 
+class ExportWarning(UserWarning):
+    """The export is right but runs slower than it could.
+
+    Such as weight-only products ONNX Runtime does not fuse into ``MatMulNBits``.
+    """
+
+
 class ValidationError(RuntimeError):
     """The exported graph disagrees with JAX beyond the validation rule.
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -38,7 +39,7 @@ import qflax
 from qcore.files import write_atomic
 from qort import _converter
 from qort._capture import CaptureProvider
-from qort._errors import ExportError, ValidationError, kind
+from qort._errors import ExportError, ExportWarning, ValidationError, kind
 from qort.validation import ValidationReport, validate
 
 
@@ -226,6 +227,29 @@ def export_function(
     return _export(fn, example_inputs, {}, input_names, output_names, validate, threads)
 
 
+def _warn_unfused(conv: Any, sites: Sequence[str]) -> None:
+    """Warns that ONNX Runtime runs weight-only products in float, and why."""
+    blocks = sorted(
+        {
+            a.i
+            for n in conv.model.graph.node
+            if n.op_type == "DequantizeLinear"
+            for a in n.attribute
+            if a.name == "block_size"
+        }
+    )
+    why = f" (block_size {', '.join(map(str, blocks))})" if blocks else ""
+    warnings.warn(
+        f"{len(sites)} weight-only products run as DequantizeLinear + float MatMul in ONNX "
+        f"Runtime, not its MatMulNBits kernel{why}: {', '.join(sites[:5])}"
+        f"{', ...' if len(sites) > 5 else ''}; ONNX Runtime fuses weights with one scale per "
+        "output channel, or in tiles whose size is a power of two >= 16 (tile_size=16, 32, "
+        "...)",
+        ExportWarning,
+        stacklevel=3,
+    )
+
+
 _NO_BFLOAT16 = (
     "allowed: float32, float16 or integer arrays (ONNX Runtime's CPU provider has no "
     "bfloat16 kernels for most ops)"
@@ -270,6 +294,8 @@ def _export(
         report = validate(conv, threads=threads, example_outputs=expected)
         if not report.ok:
             raise ValidationError(f"the exported graph disagrees with JAX:\n{report}", report)
+        if report.unfused_weight_only:
+            _warn_unfused(conv, report.unfused_weight_only)
     return Exported(
         conv.model,
         report,

@@ -95,6 +95,11 @@ class ValidationReport:
         integer_sites: Dynamic-range (w8a8) products in the graph.
         integer_kernels: Integer product kernels in ONNX Runtime's optimized graph.
         provider: The execution provider the graph ran under.
+        unfused_weight_only: Weight-only products (their sites) that ONNX Runtime's
+            optimized graph still computes as ``DequantizeLinear`` + float ``MatMul``
+            (it fuses blocks that are a power of two >= 16 into ``MatMulNBits``); not
+            a failure: the result is right, only slower and the weight dequantized in
+            memory.
         float16_roundings_lost: Casts to float16 of the graph that ONNX Runtime's
             optimized graph no longer has (it computes float16 ops without a float16
             kernel in float32 and drops a rounding that feeds one); must be 0.
@@ -106,6 +111,7 @@ class ValidationReport:
     integer_kernels: int
     provider: str = "CPUExecutionProvider"
     float16_roundings_lost: int = 0
+    unfused_weight_only: tuple[str, ...] = ()
 
     @property
     def failures(self) -> list[UnitResult]:
@@ -131,6 +137,13 @@ class ValidationReport:
             "end to end, max |onnx - jax| per output: "
             + ", ".join(f"{e:.3g}" for e in self.end_to_end),
         ]
+        if self.unfused_weight_only:
+            lines.append(
+                f"  {len(self.unfused_weight_only)} weight-only products run as "
+                "DequantizeLinear + float MatMul (not fused into MatMulNBits): "
+                + ", ".join(self.unfused_weight_only[:5])
+                + (", ..." if len(self.unfused_weight_only) > 5 else "")
+            )
         if self.float16_roundings_lost:
             lines.append(
                 f"  FAIL {self.float16_roundings_lost} roundings to float16 of the graph were "
@@ -151,11 +164,30 @@ def validate(
         outputs = _run_cut(conv, chunk, threads)
         for i, unit in chunk:
             results[i] = _judge(conv, i, unit, outputs)
-    end_to_end, kernels, lost = _run_whole(conv, threads, example_outputs)
+    end_to_end, kernels, lost, dequantized = _run_whole(conv, threads, example_outputs)
     sites = sum(1 for i, _ in units if i in conv.checks)  # pruned sites do not count
-    return ValidationReport(
-        tuple(results[i] for i, _ in units), end_to_end, sites, kernels, float16_roundings_lost=lost
+    unfused = tuple(
+        u.quantized.where
+        for _, u in units
+        if u.quantized is not None
+        and u.quantized.op == "dot_general"
+        and u.quantized.act_spec is None
+        and any(_dequantized_weight(conv, k) in dequantized for k in u.nodes)
     )
+    return ValidationReport(
+        tuple(results[i] for i, _ in units),
+        end_to_end,
+        sites,
+        kernels,
+        float16_roundings_lost=lost,
+        unfused_weight_only=unfused,
+    )
+
+
+def _dequantized_weight(conv: Converted, k: int) -> str | None:
+    """The weight initializer a DequantizeLinear node reads (None for other nodes)."""
+    node = conv.graph.nodes[k]
+    return node.input[0] if node.op_type == "DequantizeLinear" else None
 
 
 def _chunks(units: list[tuple[int, Unit]], refs: dict[str, np.ndarray]) -> list[list]:
@@ -315,8 +347,12 @@ def _as_mn(y: np.ndarray, m: int, n: int, weight_first: bool) -> np.ndarray:
 
 def _run_whole(
     conv: Converted, threads: int | None, example_outputs: Sequence[Any] | None
-) -> tuple[tuple[float, ...], int, int]:
-    """Runs the whole graph once: per-output errors, integer kernels, lost roundings."""
+) -> tuple[tuple[float, ...], int, int, set[str]]:
+    """Runs the whole graph once.
+
+    Returns per-output errors, integer kernels, lost float16 roundings, and the
+    initializers a DequantizeLinear still reads after optimization.
+    """
     import onnxruntime as ort  # noqa: PLC0415
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -328,6 +364,7 @@ def _run_whole(
         optimized = onnx.load(options.optimized_model_filepath, load_external_data=False)
     kernels = sum(node.op_type in INTEGER_KERNELS for node in optimized.graph.node)
     lost = len(_float16_casts(conv.model) - _float16_casts(optimized))
+    dequantized = {n.input[0] for n in optimized.graph.node if n.op_type == "DequantizeLinear"}
     feeds = {t.name: conv.refs[t.name] for t in conv.inputs}
     got = session.run([t.name for t in conv.outputs], feeds)
     wants = example_outputs or [conv.refs.get(t.name) for t in conv.outputs]
@@ -335,7 +372,7 @@ def _run_whole(
     for g_, w in zip(got, wants, strict=True):
         g64, w64 = np.asarray(g_, np.float64), np.asarray(w, np.float64)
         errors.append(float(np.max(np.abs(g64 - w64), initial=0.0)))
-    return tuple(errors), kernels, lost
+    return tuple(errors), kernels, lost, dequantized
 
 
 def _float16_casts(model: onnx.ModelProto) -> set[str]:
