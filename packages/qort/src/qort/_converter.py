@@ -283,8 +283,9 @@ class _Walker:
     def _stack(self, ys: list[tuple[Value, Any]], eqn: Any) -> tuple[Value, Any]:
         """The per-step outputs of a scan stacked along a new axis 0."""
         ref = jax.numpy.stack([r for _, r in ys])
-        if all(isinstance(v, Const) for v, _ in ys):
-            return Const(np.stack([np.asarray(v.value) for v, _ in ys])), ref
+        consts = [v.value for v, _ in ys if isinstance(v, Const)]
+        if len(consts) == len(ys):
+            return Const(np.stack([np.asarray(c) for c in consts])), ref
         self.g.begin()
         parts = [
             self.g.op("Unsqueeze", _lowering.name(self.g, v), _lowering.ints(self.g, [0]))

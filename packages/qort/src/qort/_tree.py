@@ -11,6 +11,7 @@ session from the file then returns the outputs as a flat tuple.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -46,7 +47,7 @@ def encode(treedef: Any) -> str | None:
         return None
 
 
-def decode(text: str, leaves: list[Any]) -> Any:
+def decode(text: str, leaves: Sequence[Any]) -> Any:
     """The outputs ``leaves`` in the structure described by ``text``."""
 
     def dec(node: Any) -> Any:
