@@ -316,6 +316,7 @@ class _Walker:
 
     def site(self, eqn: Any, ins: list[Value], rins: list[Any]) -> tuple[list[Value], list[Any]]:
         rec = self.sites[eqn.params["name"]]
+        _check_no_bfloat16(eqn)
         routs = eqn.primitive.bind(*rins, **eqn.params)
         aval = eqn.outvars[0].aval
         conv = _conv_params(eqn.params["jaxpr"].jaxpr) if rec.op == "conv_general_dilated" else None

@@ -156,7 +156,8 @@ def export(
         if _is_bfloat16(leaf):
             raise ExportError(
                 f"variables{jax.tree_util.keystr(path)} has dtype bfloat16; {_NO_BFLOAT16} "
-                "(cast the variables: jax.tree.map(lambda p: p.astype(jnp.float32), variables))"
+                "(cast those leaves: jax.tree.map(lambda p: p.astype(jnp.float32) if "
+                "p.dtype == jnp.bfloat16 else p, variables), and compute in float32)"
             )
     kw = {} if method is None else {"method": method}
 
