@@ -74,7 +74,7 @@ class Exported:
         failed save leaves an existing file untouched.
 
         Args:
-            path: The ``.onnx`` file to write.
+            path: The ``.onnx`` file to write (``~`` is expanded).
             overwrite: Replace an existing file (else an existing file raises).
 
         Raises:
@@ -132,7 +132,8 @@ def export(
 
     Raises:
         qort.ExportError: An op or quantization format without an ONNX lowering (naming
-            it and where it was traced), or a bad argument.
+            it and where it was traced), bfloat16 inputs, params or computations, or a
+            bad argument.
         qort.ValidationError: The graph disagrees with JAX (naming the first op).
     """
     if isinstance(model, nnx.Module):
