@@ -73,3 +73,14 @@ def test_validation_catches_a_rounding_onnx_runtime_removed(
     monkeypatch.setattr(_converter, "_FLOAT16_IN_FLOAT32", False)
     with pytest.raises(qort.ValidationError, match="roundings to float16 .* removed"):
         qort.export_function(EXACT["mul"], X)
+
+
+@pytest.mark.parametrize("dtype", [jnp.uint8, jnp.int8, jnp.int32, jnp.uint32])
+@pytest.mark.parametrize("source", [jnp.float32, jnp.float16])
+def test_float_to_integer_saturates_like_xla(dtype: jnp.dtype, source: jnp.dtype) -> None:
+    """XLA clamps out-of-range values and sends NaN to 0; ONNX's Cast wrapped them."""
+    x = jnp.array([299.6, -5.5, 1e10, -1e10, np.nan, np.inf, -np.inf, 127.9, -128.9, 3e9])
+    fn = lambda v: (v * 1.0).astype(source).astype(dtype)  # noqa: E731
+    exported = qort.export_function(fn, x)
+    assert exported.report is not None and exported.report.ok, str(exported.report)
+    np.testing.assert_array_equal(qort.Session(exported)(x), np.asarray(fn(x)))

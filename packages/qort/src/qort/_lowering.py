@@ -144,7 +144,22 @@ def _round(g: Graph, eqn: Any, ins: list[Value]) -> list[str]:
 
 
 def _convert(g: Graph, eqn: Any, ins: list[Value]) -> list[str]:
-    return [g.op("Cast", name(g, ins[0]), to=onnx_dtype(eqn.params["new_dtype"]))]
+    to = np.dtype(eqn.params["new_dtype"])
+    x = name(g, ins[0])
+    if not (np.issubdtype(ins[0].dtype, np.floating) and np.issubdtype(to, np.integer)):
+        return [g.op("Cast", x, to=onnx_dtype(to))]
+    # XLA saturates float -> integer conversions and sends NaN to 0; ONNX's Cast of
+    # an out-of-range value is undefined (ONNX Runtime wraps).
+    info, src = np.iinfo(to), np.dtype(ins[0].dtype)
+    if src.itemsize < 4:  # float16 (exactly) as float32: every integer bound is finite
+        x, src = g.op("Cast", x, to=onnx_dtype(np.float32)), np.dtype(np.float32)
+    lo = np.asarray(info.min, src)  # a power of two (or 0): exact
+    hi = np.asarray(info.max, src)
+    if int(hi) > info.max:  # rounded up (2**31 for int32): the float below it
+        hi = np.nextafter(hi, np.asarray(0, src))
+    y = g.op("Cast", g.op("Clip", x, g.const(lo), g.const(hi)), to=onnx_dtype(to))
+    y = g.op("Where", g.op("Greater", x, g.const(hi)), g.const(np.asarray(info.max, to)), y)
+    return [g.op("Where", g.op("IsNaN", x), g.const(np.zeros((), to)), y)]
 
 
 def _identity(g: Graph, eqn: Any, ins: list[Value]) -> list[str]:
