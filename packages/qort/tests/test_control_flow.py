@@ -97,3 +97,10 @@ def test_export_checks_the_loop_body_once_per_step() -> None:
     assert exported.report is not None
     assert sum(u.label == "tanh" for u in exported.report.units) == 4
     np.testing.assert_allclose(exported.report.end_to_end, 0, atol=1e-5)
+
+
+def test_scan_without_steps() -> None:
+    fn = lambda x: jax.lax.scan(lambda c, r: (c + r, c * r), x[0], x[:0])  # noqa: E731
+    got = qort.Session(qort.export_function(fn, X))(X)
+    assert jax.tree.map(np.shape, got) == ((16,), (0, 16))
+    np.testing.assert_array_equal(got[0], np.asarray(X[0]))

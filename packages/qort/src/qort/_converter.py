@@ -166,12 +166,8 @@ class _Walker:
         """
         f16 = np.dtype(np.float16)
         wide = [np.dtype(v.aval.dtype) == f16 for v in eqn.outvars]
-        if (
-            not _FLOAT16_IN_FLOAT32
-            or eqn.primitive.name == "convert_element_type"
-            or not any(np.dtype(v.dtype) == f16 for v in ins)
-            and not any(wide)
-        ):
+        uses_f16 = any(wide) or any(np.dtype(v.dtype) == f16 for v in ins)
+        if not (_FLOAT16_IN_FLOAT32 and uses_f16) or eqn.primitive.name == "convert_element_type":
             return _lowering.lower(self.g, eqn, ins)
         f32 = np.dtype(np.float32)
         ins32: list[Value] = []
@@ -205,6 +201,9 @@ class _Walker:
         )
         rconsts = rins[:n_consts]
         rcarry, rxs = rins[n_consts : n_consts + n_carry], rins[n_consts + n_carry :]
+        if length == 0:  # no step: the carry as given, empty stacked outputs
+            routs = eqn.primitive.bind(*rins, **eqn.params)
+            return [*carry, *(Const(np.asarray(r)) for r in routs[n_carry:])], list(routs)
         ys: list[list[tuple[Value, Any]]] = [[] for _ in eqn.outvars[n_carry:]]
         steps = range(length - 1, -1, -1) if p["reverse"] else range(length)
         for t in steps:
