@@ -49,7 +49,7 @@ def test_qat_model_is_refused() -> None:
 
 def test_bad_arguments() -> None:
     with pytest.raises(
-        qort.ExportError, match="model is a function object; allowed: a Flax Linen or NNX module"
+        qort.ExportError, match="model is a function; allowed: a Flax Linen or NNX module"
     ):
         qort.export(lambda x: x, {}, X)
     with pytest.raises(qort.ExportError, match="fn is an int; allowed: a callable"):

@@ -59,8 +59,9 @@ def test_wrong_weight_scale_of_quantized_site_is_named() -> None:
     conv = _converter.convert(lambda x: model.apply(variables, x), (X,), capture.sites, ["x"], None)
     assert validate(conv).ok
     (unit,) = [u for u in conv.graph.units if u.source == "dense_1/dot_general0"]
-    last_mul = [conv.graph.nodes[k] for k in unit.nodes if conv.graph.nodes[k].op_type == "Mul"][-1]
-    _corrupt(conv, last_mul.input[1], 1.01)  # the weight scales
+    nodes = [conv.graph.nodes[k] for k in unit.nodes]
+    (product,) = [n for n in nodes if n.op_type == "MatMulIntegerToFloat"]
+    _corrupt(conv, product.input[3], 1.01)  # the weight scales
     report = validate(conv)
     assert [u.source for u in report.failures] == ["dense_1/dot_general0"]
     assert "exact integer product" in report.failures[0].detail
