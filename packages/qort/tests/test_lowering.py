@@ -165,3 +165,195 @@ def test_repeated_computations_are_computed_once() -> None:
         ("RandomNormalLike", ["x"], ["r2"]),
     ]
     assert nodes[1].input == ["x", "y"]  # the caller's nodes are not modified
+
+
+# Edge values: halves (rounding ties), NaN, infinities, both zeros, repeated values
+# (sort ties), 0.49999997 and 2**23 + 1 (where |x| + 0.5 rounds in float32).
+EDGE = np.array(
+    [
+        [1.5, -2.5, 0.5, -0.5, 2.5, np.nan, 0.0, -0.0, 1.5, -7.25],
+        [3.0, 1.5, -np.inf, np.inf, 1.5, -7.25, 0.49999997, 8388609.0, 0.0, -3.5],
+        [2.0, 2.0, 2.0, -1.0, -1.0, 0.0, -0.0, 0.0, np.nan, 5.0],
+    ],
+    np.float32,
+)
+FINITE = np.nan_to_num(EDGE, nan=0.5, posinf=4.0, neginf=-4.0)
+INTS = np.array([[7, -7, 0, -1, 13, -128, 127, 5], [-2147483648, 2147483647, 3, -3, 1, 2, -5, 64]])
+INTS = INTS.astype(np.int32)
+AMOUNTS = np.array([[0, 1, 2, 31, 32, 40, -1, 3], [1, 4, 7, 8, 0, 30, 31, -5]], np.int32)
+DIVISORS = np.array([[3, 3, 5, 0, -4, -1, 0, 2], [-1, 7, -3, -3, 1, 0, 2, 9]], np.int32)
+PACKED = np.arange(0, 256, 16, dtype=np.uint8).reshape(2, 8) + np.uint8(9)
+ONE = np.int32(1)
+# Starts that JAX clamps (past the end, far negative) for dynamic slices and updates.
+STARTS = [np.int32(s) for s in (0, 2, 7, -1, -9)]
+IDS = np.array([0, 2, 2, -1], np.int32)
+OOB_IDS = [IDS, np.array([5, 1, -4, 0], np.int32), np.array([3, 3, 3, 3], np.int32)]
+
+
+def _int4_unpack(p):
+    """Two int4 codes per byte: low nibble, high nibble, sign-extended."""
+    low = jax.lax.shift_left(p, jnp.uint8(4)).astype(jnp.int8)
+    low = jax.lax.shift_right_arithmetic(low, jnp.int8(4))
+    high = jax.lax.shift_right_arithmetic(p.astype(jnp.int8), jnp.int8(4))
+    return jnp.stack([low, high], -1).reshape(*p.shape[:-1], -1)
+
+
+# name: (function, example inputs, more inputs to run the same export on).
+PRIMITIVES = {
+    "cumsum": (lambda x: (jnp.cumsum(x, 1), jax.lax.cumsum(x, 0, reverse=True)), (EDGE,), ()),
+    "cumsum_int8": (lambda x: jax.lax.cumsum(x.astype(jnp.int8), 1), (INTS,), ()),
+    "cumprod": (lambda x: (jnp.cumprod(x, 1), jax.lax.cumprod(x, 0, reverse=True)), (EDGE,), ()),
+    "cummax_cummin": (
+        lambda x: (jax.lax.cummax(x, 1), jax.lax.cummin(x, 1, reverse=True)),
+        (EDGE,),
+        (),
+    ),
+    "scatter_set": (lambda x: (x.at[1].set(0.0), x.at[:, 2:4].set(-1.0)), (EDGE,), ()),
+    "scatter_add": (
+        lambda x: x.at[:, 2].add(1.0) + x.at[jnp.array([0, 2, 0])].add(x[1]),
+        (EDGE,),
+        (),
+    ),
+    "scatter_ops": (
+        lambda x: (x.at[1].mul(3.0), x.at[:, 0].max(2.0), x.at[2, 1:3].min(-1.0)),
+        (FINITE,),
+        (),
+    ),
+    "scatter_runtime_ids": (
+        lambda x, i: (x.at[i].set(x[0]), x.at[i].add(x[1]), x.at[i, 1].set(9.0, mode="clip")),
+        (FINITE[:, :6], IDS),
+        [(FINITE[:, :6], ids) for ids in OOB_IDS],
+    ),
+    "scatter_int": (
+        lambda x, i: x.at[i].add(7),
+        (INTS[0], IDS),
+        [(INTS[0], ids) for ids in OOB_IDS],
+    ),
+    "dynamic_slice": (
+        lambda x, i: (jax.lax.dynamic_slice(x, (i, i), (2, 3)), x[i], x[:, i]),
+        (FINITE, ONE),
+        [(FINITE, s) for s in STARTS],
+    ),
+    "dynamic_update_slice": (
+        lambda x, i: (
+            jax.lax.dynamic_update_slice(x, jnp.full((2, 3), -9.0), (i, i)),
+            x.at[i].set(x[0] * 2),
+        ),
+        (FINITE, ONE),
+        [(FINITE, s) for s in STARTS],
+    ),
+    "sort": (lambda x: (jnp.sort(x, 1), jnp.sort(x, 0, descending=True)), (EDGE,), ()),
+    "argsort": (lambda x: (jnp.argsort(x, 1), jnp.argsort(x, 0, descending=True)), (EDGE,), ()),
+    "sort_int": (lambda x: (jnp.sort(x, 1), jnp.argsort(x // 5, 1)), (INTS,), ()),
+    "sort_key_val": (
+        lambda x: jax.lax.sort_key_val(jnp.round(x), x, 1),
+        (FINITE,),
+        (),
+    ),
+    "sort_two_keys": (
+        lambda x: jax.lax.sort((jnp.floor(x / 2), -x, x * 10), 1, num_keys=2),
+        (FINITE,),
+        (),
+    ),
+    "top_k": (lambda x: jax.lax.top_k(x, 4), (np.nan_to_num(EDGE, nan=1.5),), ()),
+    "top_k_int": (lambda x: jax.lax.top_k(x // 3, 5), (INTS,), ()),
+    "stack": (lambda x: (jnp.stack([x, x * 2], 1), jnp.stack([x[0], x[1]])), (FINITE,), ()),
+    "tile": (lambda x: (jnp.tile(x, (2, 1, 3)), jnp.tile(x[0], 2)), (FINITE,), ()),
+    "exp2": (lambda x: jnp.exp2(x / 4), (EDGE,), ()),
+    "shifts": (
+        lambda x, n: (x << n, x >> n, jax.lax.shift_right_logical(x, n)),
+        (INTS, AMOUNTS),
+        (),
+    ),
+    "shifts_narrow": (
+        lambda x, n: (
+            x.astype(jnp.int8) >> n.astype(jnp.int8),
+            x.astype(jnp.uint8) << n.astype(jnp.uint8),
+            jax.lax.shift_right_logical(x.astype(jnp.int16), n.astype(jnp.int16)),
+            jax.lax.shift_right_arithmetic(x.astype(jnp.uint8), n.astype(jnp.uint8)),
+        ),
+        (INTS, AMOUNTS),
+        (),
+    ),
+    "int4_unpack": (_int4_unpack, (PACKED,), ()),
+    "population_count": (
+        lambda x: (jax.lax.population_count(x), jax.lax.population_count(x.astype(jnp.uint8))),
+        (INTS,),
+        (),
+    ),
+    "clamp": (
+        lambda x, y: (jax.lax.clamp(-1.0, x, 2.0), jnp.clip(y.astype(jnp.int32), -3, 4)),
+        (EDGE, FINITE),
+        (),
+    ),
+    "rem_int": (
+        lambda x, d: (
+            jax.lax.rem(x, d),
+            jax.lax.rem(x.astype(jnp.int8), d.astype(jnp.int8)),
+            jax.lax.rem(x.astype(jnp.uint8), d.astype(jnp.uint8)),
+            x % 5,
+            -x % 3,
+        ),
+        (INTS, DIVISORS),
+        (),
+    ),
+    "rem_float": (lambda x: (jax.lax.rem(x, 2.0), jax.lax.rem(x, x[::-1]), x % -1.5), (EDGE,), ()),
+    "sign": (lambda x, y: (jnp.sign(x), jnp.sign(y.astype(jnp.int32))), (EDGE, FINITE), ()),
+    "round": (
+        lambda x: (
+            jnp.round(x),
+            jax.lax.round(x, jax.lax.RoundingMethod.AWAY_FROM_ZERO),
+            jax.lax.round(x, jax.lax.RoundingMethod.TO_NEAREST_EVEN),
+        ),
+        (EDGE,),
+        (),
+    ),
+    "is_finite": (lambda x: (jnp.isfinite(x), jnp.isnan(x), jnp.isinf(x)), (EDGE,), ()),
+}
+
+
+# Lowerings that only select, move or round values: their floats must be equal too.
+EXACT = {
+    "argsort",
+    "clamp",
+    "cummax_cummin",
+    "dynamic_slice",
+    "dynamic_update_slice",
+    "rem_float",
+    "round",
+    "scatter_set",
+    "sign",
+    "sort",
+    "sort_key_val",
+    "sort_two_keys",
+    "stack",
+    "tile",
+    "top_k",
+}
+
+
+def _assert_matches(got, want, exact: bool) -> None:
+    """Equal for integers, booleans, non-finite floats (and all with ``exact``); else close."""
+    got, want = np.asarray(got), np.asarray(want)
+    assert got.shape == want.shape and got.dtype == want.dtype, (got.dtype, want.dtype)
+    if exact or not np.issubdtype(want.dtype, np.floating):
+        np.testing.assert_array_equal(got, want)
+        return
+    finite = np.isfinite(want)
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    np.testing.assert_array_equal(got[np.isinf(want)], want[np.isinf(want)])
+    assert_close_to(got[finite], want[finite], 1e-5)
+
+
+@pytest.mark.parametrize("name", sorted(PRIMITIVES))
+def test_primitive_matches_jax(name: str) -> None:
+    """Each newly lowered primitive, on edge cases; dynamic ones on several inputs."""
+    fn, args, more = PRIMITIVES[name]
+    args = tuple(jnp.asarray(a) for a in args)
+    exported = qort.export_function(fn, *args)
+    assert exported.report is not None and exported.report.ok, str(exported.report)
+    session = qort.Session(exported)
+    for inputs in [args, *more]:
+        got, want = session(*inputs), fn(*(jnp.asarray(a) for a in inputs))
+        for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+            _assert_matches(g, w, name in EXACT)

@@ -88,8 +88,32 @@ def _compare(op: str, negate: bool = False) -> Lowering:
 
 
 def _fmod(g: Graph, eqn: Any, ins: list[Value]) -> list[str]:
-    """``lax.rem``: the remainder with the dividend's sign, as C's fmod."""
-    return [g.op("Mod", name(g, ins[0]), name(g, ins[1]), fmod=1)]
+    """``lax.rem``: the remainder with the dividend's sign, as C's fmod.
+
+    For integers XLA defines what C does not: ``x rem 0 = x`` and ``INT_MIN rem -1
+    = 0``; ONNX Runtime's Mod fails on a zero divisor, so both divisors become 1
+    first (``x rem 1 = x rem -1 = 0``) and ``x`` is put back where it was 0.
+    """
+    x, y = name(g, ins[0]), name(g, ins[1])
+    dt = np.dtype(_out_aval(eqn).dtype)
+    if not np.issubdtype(dt, np.integer):
+        return [g.op("Mod", x, y, fmod=1)]
+    zero = g.op("Equal", y, g.const(np.zeros((), dt)))
+    unsafe = zero
+    if np.issubdtype(dt, np.signedinteger):
+        unsafe = g.op("Or", zero, g.op("Equal", y, g.const(np.asarray(-1, dt))))
+    one = g.const(np.ones((), dt))
+    r = g.op("Mod", x, _where_int(g, unsafe, one, y, dt), fmod=1)
+    return [_where_int(g, zero, x, r, dt)]
+
+
+def _where_int(g: Graph, cond: str, a: str, b: str, dt: np.dtype) -> str:
+    """``Where`` for any integer dtype (ONNX Runtime's has no int8/int16/uint16... kernels)."""
+    if dt in (np.int32, np.int64, np.uint8):
+        return g.op("Where", cond, a, b)
+    i64 = onnx_dtype(np.int64)
+    r = g.op("Where", cond, g.op("Cast", a, to=i64), g.op("Cast", b, to=i64))
+    return g.op("Cast", r, to=onnx_dtype(dt))
 
 
 def _unary_chain(*ops: str) -> Lowering:
@@ -110,6 +134,12 @@ def _one_minus(op: str) -> Lowering:
         return [g.op("Sub", one, g.op(op, name(g, ins[0])))]
 
     return lower
+
+
+def _is_finite(g: Graph, eqn: Any, ins: list[Value]) -> list[str]:
+    """``x - x`` is 0 for finite ``x``, NaN for infinities and NaN."""
+    x = name(g, ins[0])
+    return [g.op("Not", g.op("IsNaN", g.op("Sub", x, x)))]
 
 
 def _square(g: Graph, eqn: Any, ins: list[Value]) -> list[str]:
@@ -138,9 +168,16 @@ def _round(g: Graph, eqn: Any, ins: list[Value]) -> list[str]:
     method = int(eqn.params.get("rounding_method", 0))
     if method == 1:  # to nearest even: ONNX Round's rule
         return [g.op("Round", x)]
-    # Away from zero: sign(x) * floor(|x| + 0.5).
+    # Away from zero: floor(|x|) plus one where the fraction is at least 1/2, with
+    # x's sign. (floor(|x| + 0.5) is wrong where |x| + 0.5 rounds up in float32:
+    # 0.49999997, 2**23 + 1.) Both steps are exact; NaN and infinities stay.
+    a = g.op("Abs", x)
+    whole = g.op("Floor", a)
     half = g.const(np.asarray(0.5, _out_aval(eqn).dtype))
-    return [g.op("Mul", g.op("Sign", x), g.op("Floor", g.op("Add", g.op("Abs", x), half)))]
+    up = g.op("GreaterOrEqual", g.op("Sub", a, whole), half)
+    r = g.op("Add", whole, g.op("Cast", up, to=onnx_dtype(_out_aval(eqn).dtype)))
+    negative = g.op("Less", x, g.const(np.zeros((), _out_aval(eqn).dtype)))
+    return [g.op("Where", negative, g.op("Neg", r), r)]
 
 
 def _convert(g: Graph, eqn: Any, ins: list[Value]) -> list[str]:
@@ -481,6 +518,381 @@ def _reduce_window(kind: str) -> Lowering:
     return lower
 
 
+# --- Integer bit operations -------------------------------------------------------
+
+
+def _bits(dtype: Any) -> tuple[int, np.dtype, np.dtype]:
+    """The width of an integer dtype and its signed and unsigned dtypes of that width."""
+    dt = np.dtype(dtype)
+    if not np.issubdtype(dt, np.integer):
+        raise ExportError(f"a bit operation on {dt} is not supported; allowed: integer dtypes")
+    bits = dt.itemsize * 8
+    return bits, np.dtype(f"int{bits}"), np.dtype(f"uint{bits}")
+
+
+def _as_uint64(g: Graph, v: Value) -> str:
+    """The bits of integer ``v``, zero-extended to uint64 (ONNX BitShift is unsigned only)."""
+    _, _, unsigned = _bits(v.dtype)
+    x = name(g, v)
+    if np.dtype(v.dtype) != unsigned:
+        x = g.op("Cast", x, to=onnx_dtype(unsigned))
+    return g.op("Cast", x, to=onnx_dtype(np.uint64))
+
+
+def _shift(kind: str) -> Lowering:
+    """shift_left / shift_right_logical / shift_right_arithmetic with XLA's semantics.
+
+    The shift amount is read as unsigned (a negative amount is a large one); an
+    amount of the bit width or more gives 0 (``-1`` for a negative value shifted
+    right arithmetically). Signed values shift as their two's complement bits; an
+    arithmetic shift of an unsigned value shifts its bits as signed, as XLA does.
+    """
+
+    def lower(g: Graph, eqn: Any, ins: list[Value]) -> list[str]:
+        x, y = ins
+        dt = np.dtype(_out_aval(eqn).dtype)
+        bits, signed, unsigned = _bits(dt)
+        amount = name(g, y)
+        if np.dtype(y.dtype) != unsigned:
+            amount = g.op("Cast", amount, to=onnx_dtype(unsigned))
+        amount = g.op("Cast", amount, to=onnx_dtype(np.int64))
+        over = g.op("GreaterOrEqual", amount, g.const(np.int64(bits)))
+        amount = g.op("Min", amount, g.const(np.int64(bits - 1)))
+        amount = g.op("Cast", amount, to=onnx_dtype(np.uint64))
+        # Computed in 64 bits (ONNX Runtime's Where has no int8/int16 kernels), then
+        # cast back, which keeps the low bits.
+        i64 = onnx_dtype(np.int64)
+        if kind != "arithmetic":
+            direction = "LEFT" if kind == "left" else "RIGHT"
+            r = g.op("BitShift", _as_uint64(g, x), amount, direction=direction)
+            r = g.op("Where", over, g.const(np.int64(0)), g.op("Cast", r, to=i64))
+            return [g.op("Cast", r, to=onnx_dtype(dt))]
+        # x >> n (arithmetic) = ~((~x) >> n) for negative x, with the bits of ~x >= 0.
+        s = name(g, x)
+        if dt != signed:  # an unsigned value's bits, read as signed
+            s = g.op("Cast", s, to=onnx_dtype(signed))
+        s = g.op("Cast", s, to=i64)
+        neg = g.op("Less", s, g.const(np.int64(0)))
+        t = g.op("Where", neg, g.op("BitwiseNot", s), s)
+        r = g.op("BitShift", g.op("Cast", t, to=onnx_dtype(np.uint64)), amount, direction="RIGHT")
+        r = g.op("Cast", r, to=i64)
+        r = g.op("Where", neg, g.op("BitwiseNot", r), r)
+        return [g.op("Cast", r, to=onnx_dtype(dt))]
+
+    return lower
+
+
+_POPCOUNT_TABLE = np.array([bin(i).count("1") for i in range(256)], np.int32)
+
+
+def _population_count(g: Graph, eqn: Any, ins: list[Value]) -> list[str]:
+    """The set bits of each value: a 256-entry table looked up per byte, summed."""
+    (x,) = ins
+    bits, _, _ = _bits(x.dtype)
+    shifts = np.arange(0, bits, 8, dtype=np.uint64).reshape((-1,) + (1,) * len(x.shape))
+    b = g.op("BitShift", _as_uint64(g, x), g.const(shifts), direction="RIGHT")
+    b = g.op("BitwiseAnd", b, g.const(np.uint64(255)))
+    counts = g.op("Gather", g.const(_POPCOUNT_TABLE), g.op("Cast", b, to=onnx_dtype(np.int64)))
+    total = g.op("ReduceSum", counts, ints(g, [0]), keepdims=0)
+    return [g.op("Cast", total, to=onnx_dtype(_out_aval(eqn).dtype))]
+
+
+# --- Cumulative reductions --------------------------------------------------------
+
+
+def _cumsum(g: Graph, eqn: Any, ins: list[Value]) -> list[str]:
+    """ONNX CumSum (float, int32 and int64 only: narrower integers sum as int32, wrapping alike)."""
+    (x,) = ins
+    dt = np.dtype(_out_aval(eqn).dtype)
+    work = dt
+    if np.issubdtype(dt, np.integer) and dt not in (np.int32, np.int64):
+        work = np.dtype(np.int64 if dt in (np.uint32, np.uint64) else np.int32)
+    elif dt == np.bool_:
+        raise ExportError("cumsum of booleans is not supported; allowed: numeric dtypes")
+    v = name(g, x)
+    if work != dt:
+        v = g.op("Cast", v, to=onnx_dtype(work))
+    axis = g.const(np.int64(eqn.params["axis"]))
+    y = g.op("CumSum", v, axis, reverse=int(bool(eqn.params.get("reverse", False))))
+    return [y if work == dt else g.op("Cast", y, to=onnx_dtype(dt))]
+
+
+def _cumulative(op: str) -> Lowering:
+    """Cumulative products, maxima, minima (no ONNX op): a log-depth scan.
+
+    Step ``k`` combines each element with the one ``2**k`` before it (the
+    operation's identity before the start); ``ceil(log2(n))`` steps.
+    """
+
+    def lower(g: Graph, eqn: Any, ins: list[Value]) -> list[str]:
+        (x,) = ins
+        dt = np.dtype(_out_aval(eqn).dtype)
+        axis, reverse = int(eqn.params["axis"]), bool(eqn.params.get("reverse", False))
+        shape = list(x.shape)
+        n = shape[axis]
+        if op == "Mul":
+            identity: Any = 1
+        elif np.issubdtype(dt, np.floating):
+            identity = -np.inf if op == "Max" else np.inf
+        elif dt == np.bool_:
+            identity = op == "Min"
+        else:
+            identity = np.iinfo(dt).min if op == "Max" else np.iinfo(dt).max
+        y = name(g, x)
+        work = np.dtype(np.int32) if dt == np.bool_ else dt
+        if work != dt:
+            y = g.op("Cast", y, to=onnx_dtype(work))
+        step = 1
+        while step < n:
+            fill = g.const(np.full([*shape[:axis], step, *shape[axis + 1 :]], identity, work))
+            if reverse:
+                rest = g.op("Slice", y, ints(g, [step]), ints(g, [n]), ints(g, [axis]))
+                shifted = g.op("Concat", rest, fill, axis=axis)
+            else:
+                rest = g.op("Slice", y, ints(g, [0]), ints(g, [n - step]), ints(g, [axis]))
+                shifted = g.op("Concat", fill, rest, axis=axis)
+            y = g.op(op, y, shifted)
+            step *= 2
+        return [y if work == dt else g.op("Cast", y, to=onnx_dtype(dt))]
+
+    return lower
+
+
+# --- Stacking, tiling ---------------------------------------------------------------
+
+
+def _stack(g: Graph, eqn: Any, ins: list[Value]) -> list[str]:
+    axis = int(eqn.params["axis"])
+    parts = [g.op("Unsqueeze", name(g, v), ints(g, [axis])) for v in ins]
+    return [g.op("Concat", *parts, axis=axis)]
+
+
+def _tile(g: Graph, eqn: Any, ins: list[Value]) -> list[str]:
+    return [g.op("Tile", name(g, ins[0]), ints(g, list(eqn.params["reps"])))]
+
+
+def _exp2(g: Graph, eqn: Any, ins: list[Value]) -> list[str]:
+    two = g.const(np.asarray(2, _out_aval(eqn).dtype))
+    return [g.op("Pow", two, name(g, ins[0]))]
+
+
+# --- Dynamic slices and scatters ----------------------------------------------------
+
+
+def _clamped_starts(
+    g: Graph, starts: Sequence[Value], shape: Sequence[int], sizes: Sequence[int]
+) -> str:
+    """The start indices as one int64 vector, clamped as JAX does to ``[0, dim - size]``."""
+    hi = np.asarray(shape, np.int64) - np.asarray(sizes, np.int64)
+    if all(isinstance(s, Const) for s in starts):
+        values = np.asarray([int(s.value) for s in starts], np.int64)  # type: ignore[union-attr]
+        return ints(g, list(np.clip(values, 0, hi)))
+    parts = [g.op("Cast", name(g, s), to=onnx_dtype(np.int64)) for s in starts]
+    vec = g.op("Concat", *(g.op("Reshape", p, ints(g, [1])) for p in parts), axis=0)
+    return g.op("Min", g.op("Max", vec, ints(g, [0] * len(shape))), ints(g, list(hi)))
+
+
+def _dynamic_slice(g: Graph, eqn: Any, ins: list[Value]) -> list[str]:
+    """``lax.dynamic_slice``: ONNX Slice from run-time starts, clamped so the slice fits."""
+    x, *starts = ins
+    sizes = list(eqn.params["slice_sizes"])
+    begin = _clamped_starts(g, starts, x.shape, sizes)
+    return [g.op("Slice", name(g, x), begin, g.op("Add", begin, ints(g, sizes)))]
+
+
+def _window_offsets(window: Sequence[int], dims: Sequence[int], rank: int) -> np.ndarray:
+    """The int64 operand offsets of each position of a window, shape ``(*window, rank)``.
+
+    The window's axes lie along operand axes ``dims``; other axes get offset 0.
+    """
+    grid = np.zeros((*window, rank), np.int64)
+    for j, d in enumerate(dims):
+        grid[..., d] = np.indices(window, np.int64)[j] if window else 0
+    return grid
+
+
+def _dynamic_update_slice(g: Graph, eqn: Any, ins: list[Value]) -> list[str]:
+    """``lax.dynamic_update_slice``: ScatterND of the update at clamped starts."""
+    x, update, *starts = ins
+    rank = len(x.shape)
+    begin = _clamped_starts(g, starts, x.shape, update.shape)
+    grid = g.const(_window_offsets(update.shape, range(rank), rank))
+    return [g.op("ScatterND", name(g, x), g.op("Add", grid, begin), name(g, update))]
+
+
+_SCATTER_REDUCTIONS = {
+    "scatter": "none",
+    "scatter-add": "add",
+    "scatter_add": "add",
+    "scatter-sub": "add",
+    "scatter-mul": "mul",
+    "scatter_mul": "mul",
+    "scatter-min": "min",
+    "scatter_min": "min",
+    "scatter-max": "max",
+    "scatter_max": "max",
+}
+
+
+def _scatter(g: Graph, eqn: Any, ins: list[Value]) -> list[str]:
+    """``x.at[idx].set/add/subtract/multiply/min/max``: ONNX ScatterND, element by element.
+
+    Each update element gets its full operand index (its window's start from
+    ``indices`` plus its place in the window). JAX's modes: ``clip`` clamps each
+    window's start so the window fits; ``fill``/``drop`` (the default) and
+    ``promise_in_bounds`` skip a window that does not fit, which here writes it to
+    an extra row appended to axis 0 and sliced off again.
+    """
+    prim = eqn.primitive.name
+    operand, indices, updates = ins
+    p = eqn.params
+    dn = p["dimension_numbers"]
+    mode = str(getattr(p.get("mode"), "name", p.get("mode")))
+    rank = len(operand.shape)
+    if tuple(getattr(dn, "operand_batching_dims", ())) or rank == 0 or mode == "ONE_HOT":
+        raise ExportError(
+            f"{prim} with operand batching dimensions (vmap of a scatter), a 0-d operand or "
+            "mode one_hot is not supported; allowed: x.at[...] updates in clip, fill/drop or "
+            "promise_in_bounds mode"
+        )
+    reduction = _SCATTER_REDUCTIONS[prim]
+    shape = list(operand.shape)
+    uwd = list(dn.update_window_dims)
+    to_operand = list(dn.scatter_dims_to_operand_dims)
+    window_dims = [d for d in range(rank) if d not in dn.inserted_window_dims]
+    scatter_axes = [d for d in range(len(updates.shape)) if d not in uwd]
+    batch = [updates.shape[d] for d in scatter_axes]
+    window = [updates.shape[d] for d in uwd]
+    sizes = [1] * rank
+    for d, size in zip(window_dims, window, strict=True):
+        sizes[d] = size
+    hi = np.asarray(shape, np.int64) - np.asarray(sizes, np.int64)
+    grid = _window_offsets(window, window_dims, rank)
+    at = [*batch, *([1] * len(window)), rank]  # where a start broadcasts over its window
+    dummy = np.asarray([shape[0], *([0] * (rank - 1))], np.int64)
+    clip = mode == "CLIP"
+
+    if isinstance(indices, Const):  # the usual x.at[2:5].set(...): indices known now
+        idx = indices.value.astype(np.int64).reshape([*batch, len(to_operand)])
+        start = np.zeros([*batch, rank], np.int64)
+        for k, d in enumerate(to_operand):
+            start[..., d] = idx[..., k]
+        if clip:
+            start = np.clip(start, 0, hi)
+        valid = np.all((start >= 0) & (start <= hi), axis=-1)
+        full = start.reshape(at) + grid
+        pad = not bool(np.all(valid))
+        if pad:
+            full = np.where(valid.reshape([*batch, *([1] * (len(window) + 1))]), full, dummy)
+        index = g.const(full)
+    else:
+        idx = g.op("Cast", name(g, indices), to=onnx_dtype(np.int64))
+        idx = _reshape_to(g, idx, [*batch, len(to_operand)])
+        nb = len(batch)
+        zero = g.const(np.zeros([*batch, 1], np.int64))
+        cols = [
+            g.op("Slice", idx, ints(g, [k]), ints(g, [k + 1]), ints(g, [nb]))
+            if d in to_operand and (k := to_operand.index(d)) >= 0
+            else zero
+            for d in range(rank)
+        ]
+        start = g.op("Concat", *cols, axis=nb) if rank > 1 else cols[0]
+        if clip:
+            start = g.op("Min", g.op("Max", start, ints(g, [0] * rank)), g.const(hi))
+        index = g.op("Add", _reshape_to(g, start, at), g.const(grid))
+        pad = not clip
+        if pad:
+            ok = g.op(
+                "And",
+                g.op("GreaterOrEqual", start, ints(g, [0] * rank)),
+                g.op("LessOrEqual", start, g.const(hi)),
+            )
+            ok = g.op("Cast", ok, to=onnx_dtype(np.int32))
+            ok = g.op("ReduceMin", ok, ints(g, [nb]), keepdims=1)
+            ok = _reshape_to(g, g.op("Cast", ok, to=onnx_dtype(np.bool_)), [*at[:-1], 1])
+            index = g.op("Where", ok, index, g.const(dummy))
+    upd = name(g, updates)
+    perm = scatter_axes + uwd
+    if perm != list(range(len(perm))):
+        upd = g.op("Transpose", upd, perm=perm)
+    if prim == "scatter-sub":
+        upd = g.op("Neg", upd)
+    data = name(g, operand)
+    if pad:
+        extra = g.const(np.zeros([1, *shape[1:]], operand.dtype))
+        data = g.op("Concat", data, extra, axis=0)
+    out = g.op("ScatterND", data, index, upd, reduction=reduction)
+    if pad:
+        out = g.op("Slice", out, ints(g, [0]), ints(g, [shape[0]]), ints(g, [0]))
+    return [out]
+
+
+# --- Sorting ------------------------------------------------------------------------
+
+
+def _sort_key(g: Graph, x: str, dtype: Any) -> str:
+    """``x`` in a dtype ONNX Runtime's TopK takes, with the same order."""
+    dt = np.dtype(dtype)
+    if dt in (np.float32, np.float64, np.int32, np.int64, np.int8, np.int16, np.uint8):
+        return x
+    if np.issubdtype(dt, np.floating):
+        return g.op("Cast", x, to=onnx_dtype(np.float32))
+    wide = np.int64 if dt in (np.uint32, np.uint64) else np.int32
+    return g.op("Cast", x, to=onnx_dtype(wide))
+
+
+def _sort(g: Graph, eqn: Any, ins: list[Value]) -> list[str]:
+    """``lax.sort`` (``jnp.sort``, ``argsort``, ``sort_key_val``): stable, ascending.
+
+    ONNX TopK with ``k`` = the axis' length sorts one key stably (equal keys keep
+    their order, -0.0 equals 0.0, NaNs last: JAX's order). Several keys sort key by
+    key from the last (each a stable pass); every operand is then gathered in the
+    final order.
+    """
+    axis = int(eqn.params["dimension"])
+    num_keys = int(eqn.params.get("num_keys", 1))
+    n = ins[0].shape[axis]
+    size = ints(g, [n])
+    order: str | None = None
+    for key in reversed(ins[:num_keys]):
+        k = name(g, key)
+        if order is not None:
+            k = g.op("GatherElements", k, order, axis=axis)
+        _, step = g.node("TopK", [_sort_key(g, k, key.dtype), size], 2, axis=axis, largest=0)
+        order = step if order is None else g.op("GatherElements", order, step, axis=axis)
+    assert order is not None
+    return [g.op("GatherElements", name(g, v), order, axis=axis) for v in ins]
+
+
+def _top_k(g: Graph, eqn: Any, ins: list[Value]) -> list[str]:
+    """``lax.top_k``: ONNX TopK (largest, sorted; equal values in index order).
+
+    JAX orders +0.0 before -0.0: a float key gets -0.0 replaced by the float64
+    just below zero. NaNs come first, as JAX's positive NaNs do (ONNX cannot tell
+    a NaN's sign; JAX puts negative NaNs last).
+    """
+    (x,) = ins
+    k = int(eqn.params["k"])
+    axis = int(eqn.params.get("axis", len(x.shape) - 1))
+    if axis < 0:
+        axis += len(x.shape)
+    v = name(g, x)
+    key = _sort_key(g, v, x.dtype)
+    if np.issubdtype(x.dtype, np.floating):
+        wide = g.op("Cast", v, to=onnx_dtype(np.float64))
+        zero = g.const(np.zeros((), x.dtype))
+        minus_zero = g.op(
+            "And",
+            g.op("Equal", v, zero),
+            g.op("IsInf", g.op("Div", g.const(np.ones((), x.dtype)), v), detect_positive=0),
+        )
+        below = g.const(np.float64(-np.finfo(np.float64).smallest_subnormal))
+        key = g.op("Where", minus_zero, below, wide)
+    _, idx = g.node("TopK", [key, ints(g, [k])], 2, axis=axis, largest=1, sorted=1)
+    values = g.op("GatherElements", v, idx, axis=axis)
+    return [values, g.op("Cast", idx, to=onnx_dtype(_out_aval(eqn, 1).dtype))]
+
+
 LOWERINGS: dict[str, Lowering] = {
     "add": _elementwise("Add"),
     "sub": _elementwise("Sub"),
@@ -514,7 +926,7 @@ LOWERINGS: dict[str, Lowering] = {
     "rsqrt": _unary_chain("Sqrt", "Reciprocal"),
     "sin": _elementwise("Sin"),
     "cos": _elementwise("Cos"),
-    "is_finite": _unary_chain("IsInf", "Not"),
+    "is_finite": _is_finite,
     "log1p": _log1p,
     "square": _square,
     "integer_pow": _integer_pow,
@@ -550,6 +962,22 @@ LOWERINGS: dict[str, Lowering] = {
     "conv_general_dilated": _conv,
     "reduce_window_sum": _reduce_window("sum"),
     "reduce_window_max": _reduce_window("max"),
+    "shift_left": _shift("left"),
+    "shift_right_logical": _shift("logical"),
+    "shift_right_arithmetic": _shift("arithmetic"),
+    "population_count": _population_count,
+    "cumsum": _cumsum,
+    "cumprod": _cumulative("Mul"),
+    "cummax": _cumulative("Max"),
+    "cummin": _cumulative("Min"),
+    "stack": _stack,
+    "tile": _tile,
+    "exp2": _exp2,
+    "dynamic_slice": _dynamic_slice,
+    "dynamic_update_slice": _dynamic_update_slice,
+    **dict.fromkeys(_SCATTER_REDUCTIONS, _scatter),
+    "sort": _sort,
+    "top_k": _top_k,
 }
 
 
