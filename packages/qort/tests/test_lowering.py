@@ -224,6 +224,11 @@ PRIMITIVES = {
         (FINITE[:, :6], IDS),
         [(FINITE[:, :6], ids) for ids in OOB_IDS],
     ),
+    "scatter_vmap": (
+        jax.vmap(lambda x, i: (x.at[i].set(-1.0), x.at[i].add(x[0]))),
+        (FINITE[:, :6], IDS[:3]),
+        [(FINITE[:, :6], ids[1:]) for ids in OOB_IDS],
+    ),
     "scatter_int": (
         lambda x, i: x.at[i].add(7),
         (INTS[0], IDS),
@@ -255,7 +260,8 @@ PRIMITIVES = {
         (FINITE,),
         (),
     ),
-    "top_k": (lambda x: jax.lax.top_k(x, 4), (np.nan_to_num(EDGE, nan=1.5),), ()),
+    # All of each row (+0.0 before -0.0, NaN first), and the first 3.
+    "top_k": (lambda x: (jax.lax.top_k(x, 10), jax.lax.top_k(x[:2], 3)), (EDGE,), ()),
     "top_k_int": (lambda x: jax.lax.top_k(x // 3, 5), (INTS,), ()),
     "stack": (lambda x: (jnp.stack([x, x * 2], 1), jnp.stack([x[0], x[1]])), (FINITE,), ()),
     "tile": (lambda x: (jnp.tile(x, (2, 1, 3)), jnp.tile(x[0], 2)), (FINITE,), ()),
@@ -357,3 +363,29 @@ def test_primitive_matches_jax(name: str) -> None:
         got, want = session(*inputs), fn(*(jnp.asarray(a) for a in inputs))
         for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
             _assert_matches(g, w, name in EXACT)
+
+
+def test_hadamard_rotated_model_exports() -> None:
+    """qflax's Hadamard rotation (a fast Walsh-Hadamard transform: slices and `stack`)."""
+    import qflax  # noqa: PLC0415
+
+    class Rotated(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(3)(x)
+
+    rule = qflax.QuantizationRule(
+        op_names=["dot_general"],
+        weight_qtype="int8",
+        act_qtype="int8",
+        rotation="hadamard",
+        rotation_seed=3,
+    )
+    qmodel = qflax.quantize_model(Rotated(), qflax.PtqProvider([rule]))
+    x = jax.random.normal(KEY, (2, 4))
+    variables = jax.jit(qmodel.init)(jax.random.key(1), x)
+    exported = qort.export(qmodel, variables, x)
+    assert exported.report is not None and exported.report.ok, str(exported.report)
+    assert exported.report.integer_sites == 1 == exported.report.integer_kernels
+    assert "Concat" in [n.op_type for n in exported.model.graph.node]  # the stacks
+    assert_close_to(qort.Session(exported)(x), qmodel.apply(variables, x), 1e-5)

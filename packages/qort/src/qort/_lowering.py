@@ -749,20 +749,24 @@ def _scatter(g: Graph, eqn: Any, ins: list[Value]) -> list[str]:
     dn = p["dimension_numbers"]
     mode = str(getattr(p.get("mode"), "name", p.get("mode")))
     rank = len(operand.shape)
-    if tuple(getattr(dn, "operand_batching_dims", ())) or rank == 0 or mode == "ONE_HOT":
+    if rank == 0 or mode == "ONE_HOT":
         raise ExportError(
-            f"{prim} with operand batching dimensions (vmap of a scatter), a 0-d operand or "
-            "mode one_hot is not supported; allowed: x.at[...] updates in clip, fill/drop or "
-            "promise_in_bounds mode"
+            f"{prim} of a 0-d operand or in mode one_hot is not supported; allowed: x.at[...] "
+            "updates of arrays in clip, fill/drop or promise_in_bounds mode"
         )
     reduction = _SCATTER_REDUCTIONS[prim]
     shape = list(operand.shape)
     uwd = list(dn.update_window_dims)
     to_operand = list(dn.scatter_dims_to_operand_dims)
-    window_dims = [d for d in range(rank) if d not in dn.inserted_window_dims]
+    # vmap's batching axes: operand axis ob[j] is indexed by the position along
+    # axis ib[j] of the indices.
+    ob = [int(d) for d in getattr(dn, "operand_batching_dims", ())]
+    ib = [int(d) for d in getattr(dn, "scatter_indices_batching_dims", ())]
+    window_dims = [d for d in range(rank) if d not in dn.inserted_window_dims and d not in ob]
     scatter_axes = [d for d in range(len(updates.shape)) if d not in uwd]
     batch = [updates.shape[d] for d in scatter_axes]
     window = [updates.shape[d] for d in uwd]
+    positions = {d: np.indices(batch, np.int64)[i] for d, i in zip(ob, ib, strict=True)}
     sizes = [1] * rank
     for d, size in zip(window_dims, window, strict=True):
         sizes[d] = size
@@ -777,6 +781,8 @@ def _scatter(g: Graph, eqn: Any, ins: list[Value]) -> list[str]:
         start = np.zeros([*batch, rank], np.int64)
         for k, d in enumerate(to_operand):
             start[..., d] = idx[..., k]
+        for d, pos in positions.items():
+            start[..., d] = pos
         if clip:
             start = np.clip(start, 0, hi)
         valid = np.all((start >= 0) & (start <= hi), axis=-1)
@@ -790,12 +796,13 @@ def _scatter(g: Graph, eqn: Any, ins: list[Value]) -> list[str]:
         idx = _reshape_to(g, idx, [*batch, len(to_operand)])
         nb = len(batch)
         zero = g.const(np.zeros([*batch, 1], np.int64))
-        cols = [
-            g.op("Slice", idx, ints(g, [k]), ints(g, [k + 1]), ints(g, [nb]))
-            if d in to_operand and (k := to_operand.index(d)) >= 0
-            else zero
-            for d in range(rank)
-        ]
+        cols = []
+        for d in range(rank):
+            if d in to_operand:
+                k = to_operand.index(d)
+                cols.append(g.op("Slice", idx, ints(g, [k]), ints(g, [k + 1]), ints(g, [nb])))
+            else:
+                cols.append(g.const(positions[d][..., None]) if d in positions else zero)
         start = g.op("Concat", *cols, axis=nb) if rank > 1 else cols[0]
         if clip:
             start = g.op("Min", g.op("Max", start, ints(g, [0] * rank)), g.const(hi))
