@@ -314,6 +314,12 @@ PRIMITIVES = {
         (EDGE,),
         (),
     ),
+    # Both branches of the approximation (w < 5 and w >= 5), the poles, outside [-1, 1].
+    "erf_inv": (
+        jax.scipy.special.erfinv,
+        (np.array([[0.0, 1e-8, -0.3, 0.5, 0.97, -0.999, 0.9999999, -1.0, 1.0, 1.5, np.nan]]),),
+        (),
+    ),
     "is_finite": (lambda x: (jnp.isfinite(x), jnp.isnan(x), jnp.isinf(x)), (EDGE,), ()),
 }
 

@@ -676,6 +676,39 @@ def _exp2(g: Graph, eqn: Any, ins: list[Value]) -> list[str]:
     return [g.op("Pow", two, name(g, ins[0]))]
 
 
+# Giles (2010), "Approximating the erfinv function": the single-precision
+# polynomials XLA evaluates for erf_inv, in w - 2.5 (w < 5) and sqrt(w) - 3.
+_ERF_INV_SMALL = (
+    2.81022636e-08, 3.43273939e-07, -3.5233877e-06, -4.39150654e-06, 0.00021858087,
+    -0.00125372503, -0.00417768164, 0.246640727, 1.50140941,
+)  # fmt: skip
+_ERF_INV_LARGE = (
+    -0.000200214257, 0.000100950558, 0.00134934322, -0.00367342844, 0.00573950773,
+    -0.0076224613, 0.00943887047, 1.00167406, 2.83297682,
+)  # fmt: skip
+
+
+def _erf_inv(g: Graph, eqn: Any, ins: list[Value]) -> list[str]:
+    """``lax.erf_inv`` as XLA computes it (no ONNX op): Giles' polynomials in ``w``.
+
+    ``w = -log(1 - x**2)``; ``erf_inv(±1) = ±inf``, NaN outside ``[-1, 1]``.
+    float64 uses the same (single-precision) polynomials.
+    """
+    dt = np.dtype(_out_aval(eqn).dtype)
+    c = lambda v: g.const(np.asarray(v, dt))  # noqa: E731
+    x = name(g, ins[0])
+    w = g.op("Neg", g.op("Log", g.op("Sub", c(1.0), g.op("Mul", x, x))))
+    small = g.op("Less", w, c(5.0))
+    w = g.op("Where", small, g.op("Sub", w, c(2.5)), g.op("Sub", g.op("Sqrt", w), c(3.0)))
+    pairs = list(zip(_ERF_INV_SMALL, _ERF_INV_LARGE, strict=True))
+    p = g.op("Where", small, c(pairs[0][0]), c(pairs[0][1]))
+    for a, b in pairs[1:]:
+        p = g.op("Add", g.op("Mul", p, w), g.op("Where", small, c(a), c(b)))
+    y = g.op("Mul", p, x)
+    pole = g.op("Equal", g.op("Abs", x), c(1.0))
+    return [g.op("Where", pole, g.op("Mul", x, c(np.inf)), y)]
+
+
 # --- Dynamic slices and scatters ----------------------------------------------------
 
 
@@ -980,6 +1013,7 @@ LOWERINGS: dict[str, Lowering] = {
     "stack": _stack,
     "tile": _tile,
     "exp2": _exp2,
+    "erf_inv": _erf_inv,
     "dynamic_slice": _dynamic_slice,
     "dynamic_update_slice": _dynamic_update_slice,
     **dict.fromkeys(_SCATTER_REDUCTIONS, _scatter),
