@@ -204,8 +204,13 @@ PRIMITIVES = {
     "cumsum_int8": (lambda x: jax.lax.cumsum(x.astype(jnp.int8), 1), (INTS,), ()),
     "cumprod": (lambda x: (jnp.cumprod(x, 1), jax.lax.cumprod(x, 0, reverse=True)), (EDGE,), ()),
     "cummax_cummin": (
-        lambda x: (jax.lax.cummax(x, 1), jax.lax.cummin(x, 1, reverse=True)),
-        (EDGE,),
+        lambda x, y: (
+            jax.lax.cummax(x, 1),
+            jax.lax.cummin(x, 1, reverse=True),
+            jax.lax.cummax(y.astype(jnp.int16), 0),
+            jax.lax.cumprod(y.astype(jnp.int8), 1),
+        ),
+        (EDGE, INTS),
         (),
     ),
     "scatter_set": (lambda x: (x.at[1].set(0.0), x.at[:, 2:4].set(-1.0)), (EDGE,), ()),
@@ -288,8 +293,12 @@ PRIMITIVES = {
         (),
     ),
     "clamp": (
-        lambda x, y: (jax.lax.clamp(-1.0, x, 2.0), jnp.clip(y.astype(jnp.int32), -3, 4)),
-        (EDGE, FINITE),
+        lambda x, y: (
+            jax.lax.clamp(-1.0, x, 2.0),
+            jnp.clip(y, -3, 4),
+            jax.lax.clamp(jnp.int16(-3), y.astype(jnp.int16), jnp.int16(4)),
+        ),
+        (EDGE, INTS),
         (),
     ),
     "rem_int": (
@@ -297,6 +306,7 @@ PRIMITIVES = {
             jax.lax.rem(x, d),
             jax.lax.rem(x.astype(jnp.int8), d.astype(jnp.int8)),
             jax.lax.rem(x.astype(jnp.uint8), d.astype(jnp.uint8)),
+            jax.lax.rem(x.astype(jnp.int16), d.astype(jnp.int16)),
             x % 5,
             -x % 3,
         ),

@@ -108,8 +108,8 @@ def _fmod(g: Graph, eqn: Any, ins: list[Value]) -> list[str]:
 
 
 def _where_int(g: Graph, cond: str, a: str, b: str, dt: np.dtype) -> str:
-    """``Where`` for any integer dtype (ONNX Runtime's has no int8/int16/uint16... kernels)."""
-    if dt in (np.int32, np.int64, np.uint8):
+    """``Where`` for any integer dtype (ONNX Runtime has none for int16, uint16, uint64)."""
+    if dt in (np.int8, np.uint8, np.int32, np.uint32, np.int64):
         return g.op("Where", cond, a, b)
     i64 = onnx_dtype(np.int64)
     r = g.op("Where", cond, g.op("Cast", a, to=i64), g.op("Cast", b, to=i64))
@@ -273,8 +273,13 @@ def _select_n(g: Graph, eqn: Any, ins: list[Value]) -> list[str]:
 
 
 def _clamp(g: Graph, eqn: Any, ins: list[Value]) -> list[str]:
+    """``min(max(x, lo), hi)``; 16-bit integers in int32 (ONNX Runtime has no kernels)."""
+    dt = np.dtype(_out_aval(eqn).dtype)
     lo, x, hi = (name(g, v) for v in ins)
-    return [g.op("Min", g.op("Max", x, lo), hi)]
+    if dt not in (np.int16, np.uint16):
+        return [g.op("Min", g.op("Max", x, lo), hi)]
+    lo, x, hi = (g.op("Cast", v, to=onnx_dtype(np.int32)) for v in (lo, x, hi))
+    return [g.op("Cast", g.op("Min", g.op("Max", x, lo), hi), to=onnx_dtype(dt))]
 
 
 def _concatenate(g: Graph, eqn: Any, ins: list[Value]) -> list[str]:
@@ -639,7 +644,8 @@ def _cumulative(op: str) -> Lowering:
         else:
             identity = np.iinfo(dt).min if op == "Max" else np.iinfo(dt).max
         y = name(g, x)
-        work = np.dtype(np.int32) if dt == np.bool_ else dt
+        # ONNX Runtime has no Max/Min for 16-bit integers; int32 products wrap alike.
+        work = np.dtype(np.int32) if dt == np.bool_ or dt.itemsize < 4 else dt
         if work != dt:
             y = g.op("Cast", y, to=onnx_dtype(work))
         step = 1
