@@ -724,7 +724,7 @@ def _clamped_starts(
     """The start indices as one int64 vector, clamped as JAX does to ``[0, dim - size]``."""
     hi = np.asarray(shape, np.int64) - np.asarray(sizes, np.int64)
     if all(isinstance(s, Const) for s in starts):
-        values = np.asarray([int(s.value) for s in starts], np.int64)  # type: ignore[union-attr]
+        values = np.asarray([int(s.value) for s in starts if isinstance(s, Const)], np.int64)
         return ints(g, list(np.clip(values, 0, hi)))
     parts = [g.op("Cast", name(g, s), to=onnx_dtype(np.int64)) for s in starts]
     vec = g.op("Concat", *(g.op("Reshape", p, ints(g, [1])) for p in parts), axis=0)
