@@ -220,7 +220,12 @@ PRIMITIVES = {
         (),
     ),
     "scatter_ops": (
-        lambda x: (x.at[1].mul(3.0), x.at[:, 0].max(2.0), x.at[2, 1:3].min(-1.0)),
+        lambda x: (
+            x.at[1].mul(3.0),
+            x.at[:, 0].max(2.0),
+            x.at[2, 1:3].min(-1.0),
+            x.at[0, ::2].subtract(x[1, :5]),
+        ),
         (FINITE,),
         (),
     ),

@@ -759,17 +759,14 @@ def _dynamic_update_slice(g: Graph, eqn: Any, ins: list[Value]) -> list[str]:
     return [g.op("ScatterND", name(g, x), g.op("Add", grid, begin), name(g, update))]
 
 
+# JAX's scatter primitives and ScatterND's reduction (subtract adds the negated update).
 _SCATTER_REDUCTIONS = {
     "scatter": "none",
     "scatter-add": "add",
-    "scatter_add": "add",
     "scatter-sub": "add",
     "scatter-mul": "mul",
-    "scatter_mul": "mul",
     "scatter-min": "min",
-    "scatter_min": "min",
     "scatter-max": "max",
-    "scatter_max": "max",
 }
 
 
