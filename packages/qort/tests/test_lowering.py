@@ -188,6 +188,7 @@ ONE = np.int32(1)
 STARTS = [np.int32(s) for s in (0, 2, 7, -1, -9)]
 IDS = np.array([0, 2, 2, -1], np.int32)
 OOB_IDS = [IDS, np.array([5, 1, -4, 0], np.int32), np.array([3, 3, 3, 3], np.int32)]
+OOB_IDS.append(np.array([12, -13, 2, 9], np.int32))  # past both ends of 10 columns too
 
 
 def _int4_unpack(p):
@@ -256,6 +257,18 @@ PRIMITIVES = {
         ),
         (FINITE, ONE),
         [(FINITE, s) for s in STARTS],
+    ),
+    # Gathers other than whole rows: JAX clamps (x[i], mode="clip") or fills (NaN).
+    "gather": (
+        lambda x, i: (
+            jnp.take_along_axis(x, jnp.argsort(x, axis=1), axis=1),
+            x[:, i],
+            x[i, 1:3],
+            jnp.take(x, i, axis=1, mode="fill"),
+            jnp.take(x, i, axis=1, mode="clip"),
+        ),
+        (FINITE, IDS),
+        [(FINITE, ids) for ids in OOB_IDS],
     ),
     "sort": (lambda x: (jnp.sort(x, 1), jnp.sort(x, 0, descending=True)), (EDGE,), ()),
     "argsort": (lambda x: (jnp.argsort(x, 1), jnp.argsort(x, 0, descending=True)), (EDGE,), ()),

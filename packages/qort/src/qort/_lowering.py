@@ -386,7 +386,11 @@ def _dot_general(g: Graph, eqn: Any, ins: list[Value]) -> list[str]:
 
 
 def _gather(g: Graph, eqn: Any, ins: list[Value]) -> list[str]:
-    """The gather of ``jnp.take(table, ids, axis=0)`` and ``table[ids]``: ONNX Gather."""
+    """The gather of ``jnp.take(table, ids, axis=0)`` and ``table[ids]``: ONNX Gather.
+
+    Any other gather (``x[:, i]``, ``take_along_axis``, under ``vmap``) takes
+    :func:`_gather_elements`.
+    """
     operand, indices = ins
     dn = eqn.params["dimension_numbers"]
     rank, batch_rank = len(operand.shape), len(indices.shape) - 1
@@ -399,11 +403,7 @@ def _gather(g: Graph, eqn: Any, ins: list[Value]) -> list[str]:
         or tuple(eqn.params["slice_sizes"]) != whole
         or tuple(dn.offset_dims) != tuple(range(batch_rank, batch_rank + rank - 1))
     ):
-        raise ExportError(
-            f"gather with dimension numbers {dn} and slice sizes "
-            f"{tuple(eqn.params['slice_sizes'])} is not supported; allowed: whole rows "
-            "looked up along axis 0 (jnp.take(table, ids, axis=0), table[ids])"
-        )
+        return [_gather_elements(g, eqn, operand, indices)]
     idx = _reshape_to(g, name(g, indices), indices.shape[:-1])
     # ONNX Gather fails on ids outside [-rows, rows); XLA clamps them (indexing,
     # mode="clip") or returns a fill value (jnp.take's default mode="fill").
@@ -759,6 +759,113 @@ def _dynamic_update_slice(g: Graph, eqn: Any, ins: list[Value]) -> list[str]:
     return [g.op("ScatterND", name(g, x), g.op("Add", grid, begin), name(g, update))]
 
 
+def _mode(params: dict, prim: str) -> str:
+    """A gather/scatter's ``GatherScatterMode`` name; one_hot is refused."""
+    mode = params.get("mode")
+    mode = str(getattr(mode, "name", mode))
+    if mode == "ONE_HOT":
+        raise ExportError(
+            f"{prim} in mode one_hot is not supported; allowed: clip, fill/drop, promise_in_bounds"
+        )
+    return mode
+
+
+def _starts(
+    g: Graph,
+    indices: Value,
+    batch: list[int],
+    to_operand: list[int],
+    batching: dict[int, np.ndarray],
+    rank: int,
+) -> np.ndarray | str:
+    """Each window's start in all operand axes, shape ``(*batch, rank)`` (int64).
+
+    Axis ``to_operand[k]`` starts at ``indices[..., k]``; a vmap batching axis ``d``
+    at ``batching[d]``, the position along the indices' batch axes; others at 0.
+    NumPy when the indices are constants.
+    """
+    if isinstance(indices, Const):
+        idx = indices.value.astype(np.int64).reshape([*batch, len(to_operand)])
+        start = np.zeros([*batch, rank], np.int64)
+        for k, d in enumerate(to_operand):
+            start[..., d] = idx[..., k]
+        for d, pos in batching.items():
+            start[..., d] = pos
+        return start
+    idx = g.op("Cast", name(g, indices), to=onnx_dtype(np.int64))
+    idx = _reshape_to(g, idx, [*batch, len(to_operand)])
+    nb = len(batch)
+    cols = []
+    for d in range(rank):
+        if d in to_operand:
+            k = to_operand.index(d)
+            cols.append(g.op("Slice", idx, ints(g, [k]), ints(g, [k + 1]), ints(g, [nb])))
+        else:
+            fixed = batching[d] if d in batching else np.zeros(batch, np.int64)
+            cols.append(g.const(fixed[..., None]))
+    return g.op("Concat", *cols, axis=nb) if rank > 1 else cols[0]
+
+
+def _all_last(g: Graph, cond: str, axis: int) -> str:
+    """``cond`` true along all of ``axis`` (kept as size 1)."""
+    ok = g.op("ReduceMin", g.op("Cast", cond, to=onnx_dtype(np.int32)), ints(g, [axis]), keepdims=1)
+    return g.op("Cast", ok, to=onnx_dtype(np.bool_))
+
+
+def _gather_elements(g: Graph, eqn: Any, operand: Value, indices: Value) -> str:
+    """Any ``lax.gather`` as ONNX GatherND, one full index per output element.
+
+    Window starts are clamped so the window fits, as XLA does (``x[i]``,
+    ``mode="clip"``, ``promise_in_bounds``); in ``fill`` mode (``take_along_axis``,
+    ``jnp.take``'s default) a window that does not fit gives ``fill_value``.
+    """
+    p = eqn.params
+    dn = p["dimension_numbers"]
+    mode = _mode(p, "gather")
+    rank, shape, sizes = len(operand.shape), list(operand.shape), list(p["slice_sizes"])
+    dt = np.dtype(operand.dtype)
+    to_operand = [int(d) for d in dn.start_index_map]
+    ob = [int(d) for d in getattr(dn, "operand_batching_dims", ())]
+    ib = [int(d) for d in getattr(dn, "start_indices_batching_dims", ())]
+    batch = list(indices.shape[:-1])
+    batching = {d: np.indices(batch, np.int64)[i] for d, i in zip(ob, ib, strict=True)}
+    window_dims = [d for d in range(rank) if d not in dn.collapsed_slice_dims and d not in ob]
+    window = [sizes[d] for d in window_dims]
+    hi = np.asarray(shape, np.int64) - np.asarray(sizes, np.int64)
+    start = _starts(g, indices, batch, to_operand, batching, rank)
+    start = g.const(start) if isinstance(start, np.ndarray) else start
+    clamped = g.op("Min", g.op("Max", start, ints(g, [0] * rank)), g.const(hi))
+    at = [*batch, *([1] * len(window)), rank]
+    grid = g.const(_window_offsets(window, window_dims, rank))
+    out = g.op("GatherND", name(g, operand), g.op("Add", _reshape_to(g, clamped, at), grid))
+    if mode == "FILL_OR_DROP":
+        fill = p.get("fill_value")
+        if fill is None:
+            if np.issubdtype(dt, np.inexact):
+                fill = np.nan
+            elif dt == np.bool_:
+                fill = True
+            else:
+                fill = np.iinfo(dt).min if np.issubdtype(dt, np.signedinteger) else np.iinfo(dt).max
+        ok = _all_last(g, g.op("Equal", start, clamped), len(batch))
+        ok = _reshape_to(g, ok, [*batch, *([1] * len(window))])
+        full = g.const(np.full([*batch, *window], fill, dt))
+        if np.issubdtype(dt, np.integer):
+            out = _where_int(g, ok, out, full, dt)
+        else:
+            out = g.op("Where", ok, out, full)
+    # GatherND gives (*batch, *window); offset_dims say where the window axes go.
+    offset = [int(d) for d in dn.offset_dims]
+    perm, b = [], 0
+    for o in range(len(batch) + len(window)):
+        if o in offset:
+            perm.append(len(batch) + offset.index(o))
+        else:
+            perm.append(b)
+            b += 1
+    return g.op("Transpose", out, perm=perm) if perm != sorted(perm) else out
+
+
 # JAX's scatter primitives and ScatterND's reduction (subtract adds the negated update).
 _SCATTER_REDUCTIONS = {
     "scatter": "none",
@@ -783,13 +890,10 @@ def _scatter(g: Graph, eqn: Any, ins: list[Value]) -> list[str]:
     operand, indices, updates = ins
     p = eqn.params
     dn = p["dimension_numbers"]
-    mode = str(getattr(p.get("mode"), "name", p.get("mode")))
+    mode = _mode(p, prim)
     rank = len(operand.shape)
-    if rank == 0 or mode == "ONE_HOT":
-        raise ExportError(
-            f"{prim} of a 0-d operand or in mode one_hot is not supported; allowed: x.at[...] "
-            "updates of arrays in clip, fill/drop or promise_in_bounds mode"
-        )
+    if rank == 0:
+        raise ExportError(f"{prim} of a 0-d operand is not supported; allowed: arrays")
     reduction = _SCATTER_REDUCTIONS[prim]
     shape = list(operand.shape)
     uwd = list(dn.update_window_dims)
@@ -802,7 +906,7 @@ def _scatter(g: Graph, eqn: Any, ins: list[Value]) -> list[str]:
     scatter_axes = [d for d in range(len(updates.shape)) if d not in uwd]
     batch = [updates.shape[d] for d in scatter_axes]
     window = [updates.shape[d] for d in uwd]
-    positions = {d: np.indices(batch, np.int64)[i] for d, i in zip(ob, ib, strict=True)}
+    batching = {d: np.indices(batch, np.int64)[i] for d, i in zip(ob, ib, strict=True)}
     sizes = [1] * rank
     for d, size in zip(window_dims, window, strict=True):
         sizes[d] = size
@@ -812,13 +916,8 @@ def _scatter(g: Graph, eqn: Any, ins: list[Value]) -> list[str]:
     dummy = np.asarray([shape[0], *([0] * (rank - 1))], np.int64)
     clip = mode == "CLIP"
 
-    if isinstance(indices, Const):  # the usual x.at[2:5].set(...): indices known now
-        idx = indices.value.astype(np.int64).reshape([*batch, len(to_operand)])
-        start = np.zeros([*batch, rank], np.int64)
-        for k, d in enumerate(to_operand):
-            start[..., d] = idx[..., k]
-        for d, pos in positions.items():
-            start[..., d] = pos
+    start = _starts(g, indices, batch, to_operand, batching, rank)
+    if isinstance(start, np.ndarray):  # the usual x.at[2:5].set(...): indices known now
         if clip:
             start = np.clip(start, 0, hi)
         valid = np.all((start >= 0) & (start <= hi), axis=-1)
@@ -828,18 +927,7 @@ def _scatter(g: Graph, eqn: Any, ins: list[Value]) -> list[str]:
             full = np.where(valid.reshape([*batch, *([1] * (len(window) + 1))]), full, dummy)
         index = g.const(full)
     else:
-        idx = g.op("Cast", name(g, indices), to=onnx_dtype(np.int64))
-        idx = _reshape_to(g, idx, [*batch, len(to_operand)])
         nb = len(batch)
-        zero = g.const(np.zeros([*batch, 1], np.int64))
-        cols = []
-        for d in range(rank):
-            if d in to_operand:
-                k = to_operand.index(d)
-                cols.append(g.op("Slice", idx, ints(g, [k]), ints(g, [k + 1]), ints(g, [nb])))
-            else:
-                cols.append(g.const(positions[d][..., None]) if d in positions else zero)
-        start = g.op("Concat", *cols, axis=nb) if rank > 1 else cols[0]
         if clip:
             start = g.op("Min", g.op("Max", start, ints(g, [0] * rank)), g.const(hi))
         index = g.op("Add", _reshape_to(g, start, at), g.const(grid))
@@ -850,9 +938,7 @@ def _scatter(g: Graph, eqn: Any, ins: list[Value]) -> list[str]:
                 g.op("GreaterOrEqual", start, ints(g, [0] * rank)),
                 g.op("LessOrEqual", start, g.const(hi)),
             )
-            ok = g.op("Cast", ok, to=onnx_dtype(np.int32))
-            ok = g.op("ReduceMin", ok, ints(g, [nb]), keepdims=1)
-            ok = _reshape_to(g, g.op("Cast", ok, to=onnx_dtype(np.bool_)), [*at[:-1], 1])
+            ok = _reshape_to(g, _all_last(g, ok, nb), [*at[:-1], 1])
             index = g.op("Where", ok, index, g.const(dummy))
     upd = name(g, updates)
     perm = scatter_axes + uwd
