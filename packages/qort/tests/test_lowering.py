@@ -422,3 +422,12 @@ def test_hadamard_rotated_model_exports() -> None:
     assert exported.report.integer_sites == 1 == exported.report.integer_kernels
     assert "Concat" in [n.op_type for n in exported.model.graph.node]  # the stacks
     assert_close_to(qort.Session(exported)(x), qmodel.apply(variables, x), 1e-5)
+
+
+def test_unstable_sort_with_values_is_refused() -> None:
+    """XLA's order of equal keys in an unstable sort is its own: refused, named."""
+    x = jnp.asarray(EDGE)
+    with pytest.raises(qort.ExportError, match=r"sort with is_stable=False .* \(at sort"):
+        qort.export_function(lambda x: jnp.argsort(x, stable=False), x)
+    exported = qort.export_function(lambda x: jnp.sort(x, stable=False), x)  # keys alone
+    _assert_matches(qort.Session(exported)(x), jnp.sort(x, stable=False), exact=True)

@@ -976,10 +976,17 @@ def _sort(g: Graph, eqn: Any, ins: list[Value]) -> list[str]:
     ONNX TopK with ``k`` = the axis' length sorts one key stably (equal keys keep
     their order, -0.0 equals 0.0, NaNs last: JAX's order). Several keys sort key by
     key from the last (each a stable pass); every operand is then gathered in the
-    final order.
+    final order. An unstable sort of keys alone is the same; one carrying values is
+    refused (XLA's order of equal keys cannot be reproduced).
     """
     axis = int(eqn.params["dimension"])
     num_keys = int(eqn.params.get("num_keys", 1))
+    if not eqn.params.get("is_stable", True) and len(ins) > num_keys:
+        raise ExportError(
+            "sort with is_stable=False carrying values (jnp.argsort(..., stable=False), "
+            "lax.sort_key_val(..., is_stable=False)) is not supported: XLA orders equal keys "
+            "its own way, ONNX's TopK by index; allowed: stable sorts (jnp.argsort's default)"
+        )
     n = ins[0].shape[axis]
     size = ints(g, [n])
     order: str | None = None
