@@ -46,7 +46,7 @@ def test_quantized_encoder_file_is_smaller_than_float_at_any_length() -> None:
         mask = jnp.ones((4, length), jnp.int32)
         fvars = Encoder().init(jax.random.key(1), ids, mask)
         qvars = qmodel.init(jax.random.key(1), ids, mask)
-        q = qort.export(qmodel, qvars, ids, mask, validate=length == 32)
+        q = qort.export(qmodel, qvars, ids, mask, validate=False)  # sizes only
         assert not _splat_initializers(q)
         floats = sum(np.asarray(p).nbytes for p in jax.tree.leaves(fvars))
         assert q.nbytes < 0.6 * floats, (length, q.nbytes, floats)
