@@ -8,7 +8,7 @@ plain JAX function. :class:`Session` runs the result on NumPy or JAX arrays.
 See the docs page "Deploy to ONNX Runtime".
 """
 
-from qort import validation
+from qort import qdq, validation
 from qort._errors import ExportError, ExportWarning, ValidationError
 from qort.exported import Exported, export, export_function
 from qort.session import Session
@@ -27,5 +27,6 @@ __all__ = [
     "__version__",
     "export",
     "export_function",
+    "qdq",
     "validation",
 ]

@@ -6,7 +6,8 @@ example inputs (the *reference*, which validation feeds to each op on its own).
 
 - Calls (``jit``, ``custom_jvp_call``, ``custom_vjp_call``, ``remat``...) are
   inlined, except qflax's captured quantized ops (:mod:`qort._capture`), which
-  become integer ONNX ops (:mod:`qort._quantized`).
+  become integer ONNX ops (:mod:`qort._quantized`), and the calls marked by
+  :mod:`qort.qdq`, which become ``QuantizeLinear`` / ``DequantizeLinear``.
 - Loops are unrolled: ``scan`` (``nn.scan`` over layers, ``fori_loop`` with
   Python bounds) has a fixed length, and a ``while`` loop whose condition depends
   on constants only runs a number of steps known at export. A ``cond`` / ``switch``
@@ -34,7 +35,7 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from qort import _lowering, _quantized, _tree
+from qort import _lowering, _quantized, _tree, qdq
 from qort._capture import PREFIX, SiteRecord
 from qort._errors import ExportError
 from qort._graph import (
@@ -84,6 +85,9 @@ class Converted:
         refs: JAX values of the graph tensors on the example inputs, by name.
         checks: Code checks of the dynamic-range sites, by unit index.
         out_tree: The structure of the function's outputs.
+        qdq_checks: Code checks of the marked fake quantizations, by unit index.
+        products: Names of the ``Conv`` / ``MatMul`` nodes whose two operands are
+            dequantized codes (an activation and a weight), with where they were traced.
     """
 
     model: onnx.ModelProto
@@ -93,6 +97,8 @@ class Converted:
     refs: dict[str, np.ndarray]
     checks: dict[int, _quantized.CodeCheck]
     out_tree: Any
+    qdq_checks: dict[int, _quantized.QdqCheck] = dataclasses.field(default_factory=dict)
+    products: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
 class _Walker:
@@ -101,6 +107,7 @@ class _Walker:
         self.sites = sites
         self.refs: dict[str, np.ndarray] = {}
         self.checks: dict[int, _quantized.CodeCheck] = {}
+        self.qdq_checks: dict[int, _quantized.QdqCheck] = {}
 
     def run(
         self, jaxpr: Any, consts: Sequence[Any], args: Sequence[Value], arg_refs: Sequence[Any]
@@ -132,6 +139,9 @@ class _Walker:
         prim = eqn.primitive.name
         if prim in ("pjit", "jit") and str(eqn.params.get("name", "")).startswith(PREFIX):
             return self.site(eqn, ins, rins)
+        mark = qdq.mark_of(str(eqn.params.get("name", ""))) if prim in ("pjit", "jit") else None
+        if mark is not None:
+            return self.mark(eqn, mark, ins, rins)
         if prim in _INLINE and _INLINE[prim] in eqn.params:
             return self.call(eqn.params[_INLINE[prim]], ins, rins)
         if prim == "scan":
@@ -332,6 +342,60 @@ class _Walker:
             self.checks[len(self.g.units) - 1] = check
         return list(outs), list(routs)
 
+    def mark(
+        self, eqn: Any, mark: qdq.Mark, ins: list[Value], rins: list[Any]
+    ) -> tuple[list[Value], list[Any]]:
+        """A call marked by :mod:`qort.qdq`: Q/DQ nodes instead of its arithmetic."""
+        routs = list(eqn.primitive.bind(*rins, **eqn.params))
+        x, scale, zero_point = ins
+        if not isinstance(scale, Const) or not isinstance(zero_point, Const):
+            raise ExportError(f"{eqn.params['name']}: the scale is computed while the model runs")
+        self.g.begin()
+        if mark.kind == "dequantize":
+            if not isinstance(x, Const):
+                raise ExportError(f"{eqn.params['name']}: the codes are computed at run time")
+            name = _quantized.lower_dq(self.g, mark, x.value, scale.value, zero_point.value)
+            check = None
+        elif isinstance(x, Const):  # a constant fake-quantized: folded like any constant
+            self.g.end(Unit("folded", [], [], []))
+            return [Const(_folded(routs[0]))], routs
+        else:
+            name, check = _quantized.lower_qdq(self.g, mark, x, scale.value, zero_point.value)
+        outs = self._outputs(eqn, [name], routs)
+        self.g.end(Unit(mark.kind, _tensors(ins), outs, [], mark, _where(eqn)))
+        if check is not None:
+            self.qdq_checks[len(self.g.units) - 1] = check
+        return list(outs), routs
+
+
+# Ops a dequantized operand may pass through on its way to a product.
+_LAYOUT_OPS = ("Transpose", "Reshape", "Identity", "Flatten", "Squeeze", "Unsqueeze")
+
+
+def _name_products(g: Graph) -> dict[str, str]:
+    """Names each ``Conv`` / ``MatMul`` whose two operands are dequantized codes.
+
+    Returns ``{node name: where it was traced}``; validation looks the names up in
+    ONNX Runtime's optimized graph (a product left as a float op keeps its name).
+    """
+    producer = {o: n for n in g.nodes for o in n.output}
+    where = {k: u.source for u in g.units for k in u.nodes}
+
+    def dequantized(name: str) -> bool:
+        node = producer.get(name)
+        while node is not None and node.op_type in _LAYOUT_OPS:
+            node = producer.get(node.input[0])
+        return node is not None and node.op_type == "DequantizeLinear"
+
+    found = {}
+    for i, node in enumerate(g.nodes):
+        if node.op_type in ("Conv", "MatMul", "Gemm") and all(
+            dequantized(x) for x in node.input[:2]
+        ):
+            node.name = f"qdq_product_{len(found)}"
+            found[node.name] = f"{node.op_type} in {where.get(i, '?')}"
+    return found
+
 
 class _Float32Equation:
     """An equation seen with float32 in place of float16 (avals and dtype params)."""
@@ -467,6 +531,7 @@ def convert(
         outputs.append(Tensor(n, v.shape, np.dtype(v.dtype)))
         w.refs[n] = w.refs[v.name] if isinstance(v, Tensor) else v.value
     _prune(w.g, [t.name for t in outputs])
+    products = _name_products(w.g)
     # Validation cuts the graph per unit from w.g.nodes; the model drops repeats.
     graph = helper.make_graph(
         deduplicated(w.g.nodes, [t.name for t in outputs]),
@@ -487,7 +552,9 @@ def convert(
         onnx.checker.check_model(model)
     except onnx.checker.ValidationError as e:  # a lowering bug, not the user's
         raise ExportError(f"the ONNX checker rejected the exported graph: {e}") from e
-    return Converted(model, w.g, inputs, outputs, w.refs, w.checks, out_tree)
+    return Converted(
+        model, w.g, inputs, outputs, w.refs, w.checks, out_tree, w.qdq_checks, products
+    )
 
 
 def _prune(g: Graph, outputs: list[str]) -> None:

@@ -347,3 +347,49 @@ def _conv(g: Graph, rec: SiteRecord, x: Tensor, w: qcore.QArray, params: dict) -
     dequantized = g.op("DequantizeLinear", *inputs, **attrs)
     kernel = Tensor(dequantized, tuple(codes.shape), np.dtype(np.float32))
     return conv(g, x, kernel, params)
+
+
+@dataclasses.dataclass
+class QdqCheck:
+    """What validation needs to judge a marked fake quantization (:mod:`qort.qdq`).
+
+    Attributes:
+        codes: Graph name of the codes (after the ``Clip``, if any).
+        scale: The scale, broadcastable to the values.
+        zero_point: The zero point, shaped like ``scale``.
+    """
+
+    codes: str
+    scale: np.ndarray
+    zero_point: np.ndarray
+
+
+def _per_axis(a: np.ndarray, axis: int | None) -> np.ndarray:
+    """A broadcastable scale or zero point in ONNX's layout: 0-d, or 1-D along ``axis``."""
+    return a.reshape(()) if axis is None else a.reshape(-1)
+
+
+def lower_qdq(g: Graph, mark: Any, x: Tensor, scale: Any, zero_point: Any) -> tuple[str, QdqCheck]:
+    """``QuantizeLinear`` → (``Clip``) → ``DequantizeLinear`` of a marked fake quantization."""
+    s = np.asarray(scale, np.float32)
+    z = np.asarray(zero_point, np.float32)
+    storage = np.dtype(mark.storage)
+    attrs = {} if mark.axis is None else {"axis": mark.axis}
+    s_name = g.const(_per_axis(s, mark.axis))
+    z_name = g.const(_per_axis(z, mark.axis).astype(storage))
+    codes = g.op("QuantizeLinear", x.name, s_name, z_name, **attrs)
+    info = np.iinfo(storage)
+    if (mark.qmin, mark.qmax) != (info.min, info.max):
+        lo, hi = g.const(storage.type(mark.qmin)), g.const(storage.type(mark.qmax))
+        codes = g.op("Clip", codes, lo, hi)
+    y = g.op("DequantizeLinear", codes, s_name, z_name, **attrs)
+    return y, QdqCheck(codes, s.astype(np.float64), z.astype(np.float64))
+
+
+def lower_dq(g: Graph, mark: Any, codes: Any, scale: Any, zero_point: Any) -> str:
+    """``DequantizeLinear`` of constant codes (an integer initializer)."""
+    c = np.asarray(codes)
+    attrs = {} if mark.axis is None else {"axis": mark.axis}
+    s = _per_axis(np.asarray(scale, np.float32), mark.axis)
+    z = _per_axis(np.asarray(zero_point, np.float32), mark.axis).astype(c.dtype)
+    return g.op("DequantizeLinear", g.const(c, "w"), g.const(s), g.const(z), **attrs)

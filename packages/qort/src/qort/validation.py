@@ -19,13 +19,24 @@ first op that disagrees is named. The rule, per unit:
   1,024 rows spread over them) and differs from JAX's by at most what the tie
   steps explain (plus ``1e-5`` relative).
 
+- **Marked fake quantizations** (:mod:`qort.qdq`, ``QuantizeLinear`` →
+  ``DequantizeLinear``): the codes equal the ones JAX's value implies
+  (``round(value / scale) + zero_point``), except one step where the quotient
+  ``x / scale`` is a rounding tie up to float32 rounding (within ``2**-18`` of
+  its magnitude of a half-integer): ``QuantizeLinear`` divides and rounds half to
+  even, while a model's JAX arithmetic may multiply by ``fl(1 / scale)`` or apply
+  qcore's tie rule. Those steps are counted (``steps``); any other difference
+  fails. The dequantized values equal JAX's up to those steps.
+
 The whole model is also run once on the example inputs (``end_to_end``: the largest
 difference of each output from JAX, reported, not judged: one-step differences
 propagate), and ONNX Runtime's optimized graph is checked to compute each w8a8
 product with an integer kernel and to keep every rounding to float16 (cut into
 units, the graph cannot show a rounding the optimizer removes across two of them).
 Weight-only products it leaves as ``DequantizeLinear`` + float ``MatMul`` (not
-fused into ``MatMulNBits``) are listed, not failed.
+fused into ``MatMulNBits``) are listed, not failed, and so is each ``Conv`` /
+``MatMul`` between dequantized activations and dequantized weights that it left as
+a float op (``unfused_products``).
 """
 
 from __future__ import annotations
@@ -44,11 +55,14 @@ from onnx import helper
 import qcore
 from qort._converter import Converted
 from qort._graph import Tensor, Unit, value_info
-from qort._quantized import CodeCheck
+from qort._quantized import CodeCheck, QdqCheck
 from qort.session import session_options
 
 FLOAT_RTOL = 1e-4
 EXACT_RTOL = 1e-5
+# A quotient this close (relative) to a half-integer is a rounding tie up to float32
+# rounding of x / scale (a true division and x * fl(1/scale) differ by ~2**-23).
+TIE_RTOL = 2.0**-18
 # Rows of a w8a8 product recomputed exactly (all of them up to this many).
 _EXACT_ROWS = 1024
 # Units fed per ONNX Runtime session, by bytes of their inputs.
@@ -63,6 +77,8 @@ INTEGER_KERNELS = (
     "MatMulNBits",
     "ConvInteger",
     "QLinearConv",
+    "QLinearAdd",
+    "QLinearMul",
 )
 
 
@@ -75,7 +91,8 @@ class UnitResult:
         source: Where it was traced (module path or name stack).
         error: Largest difference from JAX, in the unit's measure (see the module).
         tolerance: What the rule allows there.
-        ties: Activation codes one step from qcore's at its tie rule (w8a8 only).
+        ties: Activation codes one step from qcore's at its tie rule (w8a8), or codes
+            one step from JAX's at a rounding tie (marked fake quantizations).
         ok: Whether the unit passes.
         detail: Why it fails, if it does.
     """
@@ -107,6 +124,12 @@ class ValidationReport:
         float16_roundings_lost: Casts to float16 of the graph that ONNX Runtime's
             optimized graph no longer has (it computes float16 ops without a float16
             kernel in float32 and drops a rounding that feeds one); must be 0.
+        qdq_units: Marked fake quantizations (``QuantizeLinear`` → ``DequantizeLinear``).
+        qdq_steps: Their codes one step from JAX's at a rounding tie (see the module).
+        qdq_products: ``Conv`` / ``MatMul`` nodes between dequantized activations and
+            dequantized weights.
+        unfused_products: Those that ONNX Runtime's optimized graph still computes
+            as float ops (not an error: reported), with where they were traced.
     """
 
     units: tuple[UnitResult, ...]
@@ -116,6 +139,10 @@ class ValidationReport:
     provider: str = "CPUExecutionProvider"
     float16_roundings_lost: int = 0
     unfused_weight_only: tuple[str, ...] = ()
+    qdq_units: int = 0
+    qdq_steps: int = 0
+    qdq_products: int = 0
+    unfused_products: tuple[str, ...] = ()
 
     @property
     def failures(self) -> list[UnitResult]:
@@ -153,6 +180,16 @@ class ValidationReport:
                 f"  FAIL {self.float16_roundings_lost} roundings to float16 of the graph were "
                 "removed by ONNX Runtime's optimizer"
             )
+        if self.qdq_units or self.qdq_products:
+            lines.insert(
+                1,
+                f"{self.qdq_units} QuantizeLinear/DequantizeLinear pairs, {self.qdq_steps} "
+                "codes one step from JAX's at a rounding tie; "
+                f"{self.qdq_products} products of dequantized operands, "
+                f"{self.qdq_products - len(self.unfused_products)} fused into integer kernels",
+            )
+            for p in self.unfused_products:
+                lines.append(f"  not fused by ONNX Runtime: {p}")
         for u in self.failures[:10]:
             lines.append(f"  FAIL {u.label} ({u.source}): {u.detail}")
         return "\n".join(lines)
@@ -168,9 +205,9 @@ def validate(
         outputs = _run_cut(conv, chunk, threads)
         for i, unit in chunk:
             results[i] = _judge(conv, i, unit, outputs)
-    end_to_end, kernels, lost, dequantized = _run_whole(conv, threads, example_outputs)
+    end_to_end, kernels, lost, dequantized, unfused = _run_whole(conv, threads, example_outputs)
     sites = sum(1 for i, _ in units if i in conv.checks)  # pruned sites do not count
-    unfused = tuple(
+    unfused_weight_only = tuple(
         u.quantized.where
         for _, u in units
         if u.quantized is not None
@@ -178,13 +215,18 @@ def validate(
         and u.quantized.act_spec is None
         and any(_dequantized_weight(conv, k) in dequantized for k in u.nodes)
     )
+    qdq_units = [i for i, _ in units if i in conv.qdq_checks]
     return ValidationReport(
         tuple(results[i] for i, _ in units),
         end_to_end,
         sites,
         kernels,
         float16_roundings_lost=lost,
-        unfused_weight_only=unfused,
+        unfused_weight_only=unfused_weight_only,
+        qdq_units=len(qdq_units),
+        qdq_steps=sum(results[i].ties for i in qdq_units),
+        qdq_products=len(conv.products),
+        unfused_products=unfused,
     )
 
 
@@ -236,6 +278,11 @@ def _run_cut(conv: Converted, chunk: list[tuple[int, Unit]], threads: int | None
                 Tensor(check.codes, check.shape, np.dtype(np.uint8)),
                 Tensor(check.act_scale, (rows, 1), np.dtype(np.float32)),
             ]
+        qcheck = conv.qdq_checks.get(i)
+        if qcheck is not None:
+            (x,) = unit.inputs
+            storage = np.dtype(unit.quantized.storage)
+            outs.append(Tensor(qcheck.codes, x.shape, storage))
         outputs += [value_info(t) for t in outs]
     inits = [t for k, t in conv.graph.initializers.items() if k in needed]
     graph = helper.make_graph(nodes, "cut", inputs, outputs, inits)
@@ -252,6 +299,9 @@ def _judge(conv: Converted, i: int, unit: Unit, outputs: dict) -> UnitResult:
     check = conv.checks.get(i)
     if check is not None:
         return _judge_dynamic(conv, unit, check, outputs)
+    qcheck = conv.qdq_checks.get(i)
+    if qcheck is not None:
+        return _judge_qdq(conv, unit, qcheck, outputs)
     worst = UnitResult(unit.label, unit.source, 0.0, 0.0)
     for t in unit.outputs:
         if t.name not in outputs:
@@ -345,6 +395,37 @@ def _judge_dynamic(conv: Converted, unit: Unit, check: CodeCheck, outputs: dict)
     return dataclasses.replace(base, error=err_exact, tolerance=tol)
 
 
+def _judge_qdq(conv: Converted, unit: Unit, check: QdqCheck, outputs: dict) -> UnitResult:
+    """A marked fake quantization: codes against JAX's, one step allowed at ties."""
+    (x,), (out,) = unit.inputs, unit.outputs
+    x64 = conv.refs[x.name].astype(np.float64)
+    want = conv.refs[out.name].astype(np.float64)
+    s, z = check.scale, check.zero_point
+    finite = np.isfinite(x64) & np.isfinite(want)
+    jax_codes = np.where(finite, np.round(np.where(finite, want, 0) / s) + z, 0)
+    codes = np.where(finite, outputs[check.codes].astype(np.float64), 0)
+    diff = codes - jax_codes
+    q = np.where(finite, x64, 0) / s + z
+    tie = np.abs(np.abs(q - np.floor(q)) - 0.5) <= TIE_RTOL * np.maximum(np.abs(q), 1.0)
+    steps = (np.abs(diff) == 1) & tie
+    base = UnitResult(unit.label, unit.source, 0.0, 0.0, int(np.sum(steps)))
+    bad = int(np.sum((diff != 0) & ~steps))
+    if bad:
+        at = tuple(np.argwhere((diff != 0) & ~steps)[0])
+        detail = (
+            f"{bad} codes differ from JAX's away from rounding ties (e.g. at {at}: x / scale "
+            f"= {q[at]:.6f}, ONNX {codes[at]:g}, JAX {jax_codes[at]:g})"
+        )
+        return dataclasses.replace(base, ok=False, error=float(bad), detail=detail)
+    y = np.asarray(outputs[out.name], np.float64)
+    allowed = EXACT_RTOL * float(np.max(np.abs(want), where=finite, initial=0.0))
+    err = float(np.max(np.abs(y - want) - np.abs(diff) * s, where=finite, initial=0.0))
+    if err > allowed:
+        detail = f"dequantized values differ from JAX's by {err:.3g} beyond the code steps"
+        return dataclasses.replace(base, ok=False, error=err, tolerance=allowed, detail=detail)
+    return dataclasses.replace(base, error=err, tolerance=allowed)
+
+
 def _as_mn(y: np.ndarray, m: int, n: int, weight_first: bool) -> np.ndarray:
     y = np.asarray(y, np.float64)
     return y.reshape(n, m).T if weight_first else y.reshape(m, n)
@@ -352,11 +433,12 @@ def _as_mn(y: np.ndarray, m: int, n: int, weight_first: bool) -> np.ndarray:
 
 def _run_whole(
     conv: Converted, threads: int | None, example_outputs: Sequence[Any] | None
-) -> tuple[tuple[float, ...], int, int, set[str]]:
+) -> tuple[tuple[float, ...], int, int, set[str], tuple[str, ...]]:
     """Runs the whole graph once.
 
-    Returns per-output errors, integer kernels, lost float16 roundings, and the
-    initializers a DequantizeLinear still reads after optimization.
+    Returns per-output errors, integer kernels, lost float16 roundings, the
+    initializers a DequantizeLinear still reads after optimization, and the products
+    of dequantized operands ONNX Runtime left as float ops.
     """
     import onnxruntime as ort  # noqa: PLC0415
 
@@ -370,6 +452,11 @@ def _run_whole(
     kernels = sum(node.op_type in INTEGER_KERNELS for node in optimized.graph.node)
     lost = len(_float16_casts(conv.model) - _float16_casts(optimized))
     dequantized = {n.input[0] for n in optimized.graph.node if n.op_type == "DequantizeLinear"}
+    unfused = tuple(
+        conv.products[node.name]
+        for node in optimized.graph.node
+        if node.name in conv.products and node.op_type not in INTEGER_KERNELS
+    )
     feeds = {t.name: conv.refs[t.name] for t in conv.inputs}
     got = session.run([t.name for t in conv.outputs], feeds)
     wants = example_outputs or [conv.refs.get(t.name) for t in conv.outputs]
@@ -379,7 +466,7 @@ def _run_whole(
         with np.errstate(invalid="ignore"):  # inf - inf where both are inf
             diff = np.where(g64 == w64, 0.0, np.abs(g64 - w64))
         errors.append(float(np.max(diff, initial=0.0)))
-    return tuple(errors), kernels, lost, dequantized
+    return tuple(errors), kernels, lost, dequantized, unfused
 
 
 def _float16_casts(model: onnx.ModelProto) -> set[str]:
