@@ -61,7 +61,9 @@ def test_dequantize_of_codes_feeds_the_product() -> None:
     assert ops.count("DequantizeLinear") == 2 and "MatMul" in ops
     init = {t.name: t for t in exported.model.graph.initializer}
     dq_w = [n for n in exported.model.graph.node if n.op_type == "DequantizeLinear"][1]
-    assert init[dq_w.input[0]].data_type == 3  # INT8: the file holds the codes
+    # The file holds the codes: int8 ones as uint8 code + 128, zero point 128 (exact on
+    # ONNX Runtime's x86 uint8 x uint8 kernels, where uint8 x int8 saturates).
+    assert init[dq_w.input[0]].data_type == 2  # UINT8
     report = exported.report
     assert report is not None and report.ok, str(report)
     assert report.qdq_products == 1 and not report.unfused_products, str(report)
@@ -88,3 +90,33 @@ def test_bad_arguments_name_what_is_allowed() -> None:
         qdq.quantize_dequantize(x, np.ones((2, 3), np.float32), qmin=0, qmax=255)
     with pytest.raises(qort.ExportError, match=r"codes of dtype float32.*allowed"):
         qdq.dequantize(np.ones((2, 3), np.float32), np.float32(1))
+
+
+def test_conv_bias_and_relu_take_the_forms_onnx_runtime_fuses() -> None:
+    """A layer's bias ``add`` moves into Conv / Gemm, ``max(x, 0)`` becomes Relu: all
+    three products then run on integer kernels (QLinearConv, QGemm)."""
+    x = load_digits().images[:16, None].astype(np.float32) / 16.0  # (16, 1, 8, 8)
+    rng = np.random.default_rng(1)
+    w1 = np.asarray(rng.integers(-127, 128, (4, 1, 3, 3)), np.int8)
+    w2 = np.asarray(rng.integers(-127, 128, (10, 4 * 6 * 6)), np.int8)
+    b1, b2 = (np.asarray(rng.integers(-500, 500, n), np.int32) for n in (4, 10))
+    s1, s2 = np.float32(0.01), np.linspace(0.001, 0.002, 10, dtype=np.float32)
+
+    def f(x):
+        xq = qdq.quantize_dequantize(x, np.float32(1 / 127), qmin=-127, qmax=127)
+        w = qdq.dequantize(w1, s1)
+        y = jax.lax.conv_general_dilated(xq, w, (1, 1), "VALID")
+        y = y + qdq.dequantize(b1, s1 / 127).reshape(1, 4, 1, 1)
+        y = qdq.quantize_dequantize(jnp.maximum(y, 0.0), np.float32(0.05), qmin=0, qmax=255)
+        y = y.reshape(16, -1) @ qdq.dequantize(w2, s2.reshape(10, 1)).T
+        return y + qdq.dequantize(b2, s2 * 0.05)
+
+    exported = qort.export_function(f, x)
+    ops = op_types(exported)
+    assert {"Relu", "Gemm"} <= set(ops) and not {"Add", "Max", "MatMul"} & set(ops), ops
+    conv = [n for n in exported.model.graph.node if n.op_type == "Conv"]
+    assert len(conv) == 1 and len(conv[0].input) == 3  # the bias is the Conv's input
+    report = exported.report
+    assert report is not None and report.ok, str(report)
+    assert report.qdq_products == 2 and report.unfused_products == (), str(report)
+    np.testing.assert_allclose(qort.Session(exported)(x), jax.jit(f)(x), rtol=0, atol=1e-4)

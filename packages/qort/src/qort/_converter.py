@@ -368,8 +368,112 @@ class _Walker:
         return list(outs), routs
 
 
-# Ops a dequantized operand may pass through on its way to a product.
-_LAYOUT_OPS = ("Transpose", "Reshape", "Identity", "Flatten", "Squeeze", "Unsqueeze")
+# Ops a dequantized operand may pass through on its way to a product (max pooling
+# commutes with DequantizeLinear: its scale is positive).
+_LAYOUT_OPS = ("Transpose", "Reshape", "Identity", "Flatten", "Squeeze", "Unsqueeze", "MaxPool")
+
+
+def _fuse_biases(g: Graph, refs: dict[str, np.ndarray]) -> None:
+    """Moves a dequantized bias added after a ``Conv`` or 2-D ``MatMul`` into the op.
+
+    JAX adds a layer's bias as its own ``add``; ONNX Runtime fuses a quantized
+    product only when the int32 bias is its input (``QLinearConv``, ``QGemm``). So
+    ``Conv(x, w)`` + ``Reshape(DequantizeLinear(b))`` becomes ``Conv(x, w, DQ(b))``,
+    and ``MatMul(x, [Transpose](w))`` + ``DQ(b)`` becomes ``Gemm(x, w, DQ(b))``. The
+    product's unit takes over the addition's unit (validated as one float op).
+    """
+    producer = {o: i for i, n in enumerate(g.nodes) for o in n.output}
+    readers: dict[str, int] = {}
+    for n in g.nodes:
+        for x in n.input:
+            readers[x] = readers.get(x, 0) + 1
+    unit_of = {k: u for u in g.units for k in u.nodes}
+    drop: set[int] = set()
+
+    def source(name: str, through: tuple[str, ...]) -> tuple[int | None, list[int]]:
+        """The node producing ``name`` behind ops in ``through``, and those ops."""
+        passed = []
+        i = producer.get(name)
+        while i is not None and g.nodes[i].op_type in through:
+            passed.append(i)
+            i = producer.get(g.nodes[i].input[0])
+        return i, passed
+
+    for j, add in enumerate(g.nodes):
+        if add.op_type != "Add" or len(add.input) != 2:
+            continue
+        for y_in, b_in in (add.input, add.input[::-1]):
+            p, between = source(y_in, ("Reshape",))
+            d, _ = source(b_in, ("Reshape", "Unsqueeze"))
+            if p is None or d is None or g.nodes[d].op_type != "DequantizeLinear":
+                continue
+            bias = g.nodes[d].output[0]
+            prod = g.nodes[p]
+            shape = refs.get(bias, np.zeros((0, 0))).shape
+            out = refs.get(add.output[0])
+            if len(shape) != 1 or out is None or len(prod.input) != 2 or between and out.ndim != 2:
+                continue
+            if any(readers.get(g.nodes[k].output[0], 0) != 1 for k in [p, *between]):
+                continue
+            if prod.op_type == "Conv" and not between and out.ndim > 2 and out.shape[1] == shape[0]:
+                prod.input.append(bias)
+            elif prod.op_type == "MatMul" and out.ndim == 2 and out.shape[1] == shape[0]:
+                a, w = prod.input
+                t, _ = source(w, ())
+                attrs = {}
+                if t is not None and g.nodes[t].op_type == "Transpose" and readers[w] == 1:
+                    if list(g.nodes[t].attribute[0].ints) != [1, 0]:
+                        continue
+                    w, attrs = g.nodes[t].input[0], {"transB": 1}
+                    drop.add(t)
+                gemm = helper.make_node("Gemm", [a, w, bias], list(prod.output), **attrs)
+                g.nodes[p] = gemm
+            else:
+                continue
+            # The product (and the reshapes after it) now compute the sum: they write
+            # the Add's output, the Add's unit becomes part of the product's.
+            last = between[0] if between else p
+            g.nodes[last].output[0] = add.output[0]
+            drop.add(j)
+            u, v, b = unit_of.get(p), unit_of.get(j), unit_of.get(d)
+            if u is not None and v is not None and u is not v:
+                u.outputs = v.outputs
+                bias_t = [t for t in (b.outputs if b else []) if t.name == bias]
+                if bias_t and bias not in {t.name for t in u.inputs}:
+                    u.inputs.append(bias_t[0])
+                u.nodes = sorted(set(u.nodes) | set(v.nodes))
+                v.nodes = []
+            break
+    if drop:
+        _reorder(g, drop)
+
+
+def _reorder(g: Graph, drop: set[int]) -> None:
+    """Removes the nodes at ``drop`` and sorts the rest topologically.
+
+    A bias moved into a product may be dequantized after it. Renumbers the units'
+    node lists.
+    """
+    keep = [i for i in range(len(g.nodes)) if i not in drop]
+    producer = {o: i for i in keep for o in g.nodes[i].output}
+    order: list[int] = []
+    placed: set[int] = set()
+
+    def place(i: int) -> None:
+        if i in placed:
+            return
+        placed.add(i)
+        for x in g.nodes[i].input:
+            if x in producer:
+                place(producer[x])
+        order.append(i)
+
+    for i in keep:
+        place(i)
+    index = {i: k for k, i in enumerate(order)}
+    g.nodes = [g.nodes[i] for i in order]
+    for unit in g.units:
+        unit.nodes = sorted(index[i] for i in unit.nodes if i in index)
 
 
 def _name_products(g: Graph) -> dict[str, str]:
@@ -530,6 +634,7 @@ def convert(
         w.g.nodes.append(helper.make_node("Identity", [src], [n]))
         outputs.append(Tensor(n, v.shape, np.dtype(v.dtype)))
         w.refs[n] = w.refs[v.name] if isinstance(v, Tensor) else v.value
+    _fuse_biases(w.g, w.refs)
     _prune(w.g, [t.name for t in outputs])
     products = _name_products(w.g)
     # Validation cuts the graph per unit from w.g.nodes; the model drops repeats.

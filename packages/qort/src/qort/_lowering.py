@@ -79,6 +79,19 @@ def _elementwise(op: str) -> Lowering:
     return lower
 
 
+def _max(g: Graph, eqn: Any, ins: list[Value]) -> list[str]:
+    """``max``; ``max(x, 0)`` of floats is ``Relu`` (which ONNX Runtime's QDQ fusions know)."""
+    zero = [
+        isinstance(v, Const) and np.issubdtype(v.dtype, np.floating) and not np.any(v.value)
+        for v in ins
+    ]
+    if any(zero) and not all(zero):
+        x = ins[zero.index(False)]
+        if tuple(_out_aval(eqn).shape) == tuple(x.shape):
+            return [g.op("Relu", name(g, x))]
+    return [g.op("Max", *(name(g, v) for v in ins))]
+
+
 def _compare(op: str, negate: bool = False) -> Lowering:
     def lower(g: Graph, eqn: Any, ins: list[Value]) -> list[str]:
         out = g.op(op, name(g, ins[0]), name(g, ins[1]))
@@ -462,7 +475,14 @@ def conv(g: Graph, lhs: Value, rhs: Value, p: dict) -> str:
         group=int(p["feature_group_count"]),
     )
     # Conv's output is (N, C, spatial...); out_spec says where each goes.
-    return g.op("Transpose", y, perm=[int(a) for a in np.argsort(dn.out_spec)])
+    return transpose(g, y, [int(a) for a in np.argsort(dn.out_spec)])
+
+
+def transpose(g: Graph, x: str, perm: Sequence[int]) -> str:
+    """``x`` transposed by ``perm``; ``x`` itself for the identity permutation."""
+    if list(perm) == list(range(len(perm))):
+        return x
+    return g.op("Transpose", x, perm=list(perm))
 
 
 def _as_uint8(g: Graph, v: Value) -> Value:
@@ -500,7 +520,7 @@ def _reduce_window(kind: str) -> Lowering:
             raise ExportError("reduce_window with dilation or over the batch axis is not supported")
         channels = [a for a in range(1, rank) if a not in spatial]
         perm = [0, *channels, *spatial]
-        x = g.op("Transpose", name(g, ins[0]), perm=perm)
+        x = transpose(g, name(g, ins[0]), perm)
         if channels and len(channels) > 1:
             raise ExportError("reduce_window with more than one channel axis is not supported")
         attrs: dict[str, Any] = {
@@ -518,7 +538,7 @@ def _reduce_window(kind: str) -> Lowering:
             y = g.op("Mul", y, g.const(np.asarray(size, ins[0].dtype)))
         if not channels:
             y = g.op("Squeeze", y, ints(g, [1]))
-        return [g.op("Transpose", y, perm=list(np.argsort(perm)))]
+        return [transpose(g, y, [int(a) for a in np.argsort(perm)])]
 
     return lower
 
@@ -1034,7 +1054,7 @@ LOWERINGS: dict[str, Lowering] = {
     "sub": _elementwise("Sub"),
     "mul": _elementwise("Mul"),
     "div": _elementwise("Div"),
-    "max": _elementwise("Max"),
+    "max": _max,
     "min": _elementwise("Min"),
     "pow": _elementwise("Pow"),
     "rem": _fmod,

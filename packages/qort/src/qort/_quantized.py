@@ -355,11 +355,15 @@ class QdqCheck:
 
     Attributes:
         codes: Graph name of the codes (after the ``Clip``, if any).
+        dtype: Their ONNX dtype (uint8: signed codes are stored as ``code + 128``).
+        offset: What was added to the codes (128 for signed codes, else 0).
         scale: The scale, broadcastable to the values.
         zero_point: The zero point, shaped like ``scale``.
     """
 
     codes: str
+    dtype: np.dtype
+    offset: int
     scale: np.ndarray
     zero_point: np.ndarray
 
@@ -370,26 +374,43 @@ def _per_axis(a: np.ndarray, axis: int | None) -> np.ndarray:
 
 
 def lower_qdq(g: Graph, mark: Any, x: Tensor, scale: Any, zero_point: Any) -> tuple[str, QdqCheck]:
-    """``QuantizeLinear`` → (``Clip``) → ``DequantizeLinear`` of a marked fake quantization."""
+    """``QuantizeLinear`` → (``Clip``) → ``DequantizeLinear`` of a marked fake quantization.
+
+    Signed codes are stored as uint8 ``code + 128`` with zero point ``z + 128`` (the
+    same values): ONNX Runtime's x86 CPU kernels take uint8 activations, and it
+    converts int8 ``QuantizeLinear`` / ``DequantizeLinear`` pairs to uint8 itself
+    only without a ``Clip`` between them (a narrow or 4-bit signed input then left
+    its ``Conv`` unfused).
+    """
     s = np.asarray(scale, np.float32)
     z = np.asarray(zero_point, np.float32)
-    storage = np.dtype(mark.storage)
+    offset = 128 if np.dtype(mark.storage) == np.int8 else 0
     attrs = {} if mark.axis is None else {"axis": mark.axis}
     s_name = g.const(_per_axis(s, mark.axis))
-    z_name = g.const(_per_axis(z, mark.axis).astype(storage))
+    z_name = g.const((_per_axis(z, mark.axis) + offset).astype(np.uint8))
     codes = g.op("QuantizeLinear", x.name, s_name, z_name, **attrs)
-    info = np.iinfo(storage)
-    if (mark.qmin, mark.qmax) != (info.min, info.max):
-        lo, hi = g.const(storage.type(mark.qmin)), g.const(storage.type(mark.qmax))
-        codes = g.op("Clip", codes, lo, hi)
+    lo, hi = mark.qmin + offset, mark.qmax + offset
+    if (lo, hi) != (0, 255):
+        codes = g.op("Clip", codes, g.const(np.uint8(lo)), g.const(np.uint8(hi)))
     y = g.op("DequantizeLinear", codes, s_name, z_name, **attrs)
-    return y, QdqCheck(codes, s.astype(np.float64), z.astype(np.float64))
+    check = QdqCheck(codes, np.dtype(np.uint8), offset, s.astype(np.float64), z.astype(np.float64))
+    return y, check
 
 
 def lower_dq(g: Graph, mark: Any, codes: Any, scale: Any, zero_point: Any) -> str:
-    """``DequantizeLinear`` of constant codes (an integer initializer)."""
+    """``DequantizeLinear`` of constant codes (an integer initializer).
+
+    int8 codes with zero point 0 are stored as uint8 ``code + 128`` with zero point
+    128 (the same values): fused with a uint8 activation, ONNX Runtime's x86
+    uint8 x int8 kernels add pairs of products in 16 bits and saturate on CPUs
+    without VNNI (``QLinearConv`` and ``MatMulIntegerToFloat`` were off by several
+    output steps on this project's AVX2 machine; uint8 x uint8 was exact).
+    """
     c = np.asarray(codes)
     attrs = {} if mark.axis is None else {"axis": mark.axis}
     s = _per_axis(np.asarray(scale, np.float32), mark.axis)
-    z = _per_axis(np.asarray(zero_point, np.float32), mark.axis).astype(c.dtype)
+    z = _per_axis(np.asarray(zero_point, np.float32), mark.axis)
+    if c.dtype == np.int8 and not np.any(z):
+        c, z = (c.astype(np.int16) + 128).astype(np.uint8), z + 128
+    z = z.astype(c.dtype)
     return g.op("DequantizeLinear", g.const(c, "w"), g.const(s), g.const(z), **attrs)

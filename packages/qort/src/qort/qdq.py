@@ -13,6 +13,18 @@ what it computed before, and the converter writes the ONNX *QDQ format*:
 - :func:`dequantize` of constant integer codes becomes ``DequantizeLinear`` of an
   integer initializer: the file holds the codes (weights, int32 biases).
 
+Codes of 8 bits and fewer are stored as uint8, signed ones as ``code + 128`` with
+the zero point moved by 128 (the same values): fused with uint8 activations, ONNX
+Runtime's x86 uint8 x int8 kernels add pairs of products in 16 bits and saturate on
+CPUs without VNNI, where uint8 x uint8 is exact (measured on this project's AVX2
+machine: ``QLinearConv`` off by up to 7.75 output units with int8 weights, exact
+with uint8); and ONNX Runtime leaves a ``Conv`` unfused when a ``Clip`` sits
+between int8 ``QuantizeLinear`` and ``DequantizeLinear``.
+
+A bias added to a ``Conv`` or a 2-D product after it (JAX's ``add``) is moved
+into the ``Conv`` / a ``Gemm``, and ``max(x, 0)`` is written as ``Relu``: the forms
+ONNX Runtime fuses into ``QLinearConv`` and ``QGemm``.
+
 ONNX Runtime's graph optimizer fuses ``DequantizeLinear`` → ``Conv`` / ``MatMul`` /
 ``Gemm`` (→ ``QuantizeLinear``) into integer kernels (``QLinearConv``,
 ``QLinearMatMul``, ``MatMulIntegerToFloat``, ``QGemm``...); the validation report
@@ -157,8 +169,10 @@ def quantize_dequantize(
     """``(clip(round(x / scale) + zero_point, qmin, qmax) - zero_point) * scale``, marked.
 
     Exported as ``QuantizeLinear`` → (``Clip``) → ``DequantizeLinear`` (see the
-    module). Codes are int8 when ``qmin < 0``, else uint8; a narrower range
-    (4-bit, narrow int8) adds a ``Clip`` of the codes.
+    module). The codes are uint8, signed ones stored as ``code + 128`` with zero
+    point ``zero_point + 128`` (the same values; ONNX Runtime's x86 kernels take
+    uint8 activations); a range narrower than the 8-bit container (4-bit, narrow
+    int8) adds a ``Clip`` of the codes.
 
     Args:
         x: The float values.

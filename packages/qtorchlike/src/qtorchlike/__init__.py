@@ -47,7 +47,7 @@ from qtorchlike import (
     random,
     solver,
 )
-from qtorchlike.export import export_tflite, integer_state_dict
+from qtorchlike.export import export_onnx, export_tflite, integer_state_dict
 from qtorchlike.modes import bias_correction_mode, calibration_mode, disable_quant
 from qtorchlike.quant_tensor import QuantTensor
 from qtorchlike.random import manual_seed
@@ -63,6 +63,7 @@ __all__ = [
     "core",
     "disable_quant",
     "export",
+    "export_onnx",
     "export_tflite",
     "func",
     "functional",

@@ -45,7 +45,7 @@ from qtorchlike.nn.module import Module, set_state
 from qtorchlike.quant_tensor import QuantTensor
 from qtorchlike.solver import QuantType, ScalingPerOutputType
 
-__all__ = ["export_tflite", "integer_state_dict"]
+__all__ = ["export_onnx", "export_tflite", "integer_state_dict"]
 
 # The named scope that marks an activation quantizer's output for export_tflite.
 _SITE = "qtorchlike_act:"
@@ -540,3 +540,253 @@ def export_tflite(
     if path is not None:
         qlitert.save(path, tflite, overwrite=overwrite)
     return tflite
+
+
+def _import_qort() -> Any:
+    try:
+        import qort  # noqa: PLC0415 - optional dependency
+    except ImportError as e:
+        raise ImportError(
+            "export_onnx needs qort (ONNX Runtime export); install it with "
+            "`pip install 'jaxquant-qtorchlike[onnx]'`"
+        ) from e
+    return qort
+
+
+def _example(example_input: Any, fn: str) -> np.ndarray:
+    """``example_input`` as a float32 (or integer) NumPy batch, checked."""
+    try:
+        example = np.asarray(example_input)
+    except (TypeError, ValueError):  # ragged lists
+        example = np.asarray(None)
+    if example.ndim == 0 or not (
+        np.issubdtype(example.dtype, np.number) or example.dtype == np.bool_
+    ):
+        raise TypeError(
+            f"{fn}(example_input={type(example_input).__name__} of dtype "
+            f"{example.dtype}, shape {example.shape}): give one input batch as an array "
+            "(e.g. float32 of shape (1, 1, 28, 28)); the model is exported at its shape"
+        )
+    if np.issubdtype(example.dtype, np.floating):
+        example = example.astype(np.float32)
+    bad = int(example.size - np.count_nonzero(np.isfinite(example)))
+    if bad:
+        raise ValueError(
+            f"{fn}(example_input of shape {example.shape}): {bad} non-finite "
+            f"value{'s' if bad != 1 else ''} (NaN or inf) of {example.size}; allowed: finite "
+            "values"
+        )
+    return example
+
+
+# What export_onnx writes as ONNX's QDQ format: integer codes of at most 8 bits
+# (activations, weights) and int32 biases.
+_ONNX_ALLOWED = (
+    "integer quantizers (IntQuant: Int8/Uint8/Int4... with per-tensor or per-channel "
+    "scales, no zero point), at most 8 bits for weights and activations and 32 for biases"
+)
+
+
+def _refuse_for_onnx(model: Module) -> None:
+    """Raises ValueError for what the QDQ export cannot express, naming layer and quantizer."""
+    if model.training:
+        raise ValueError(
+            "export_onnx: the model is in training mode (model.training is True); call "
+            "model.eval() first: the export traces the evaluation-mode forward, with the "
+            "activation quantizers' calibrated scales"
+        )
+    for name, m in model.named_modules():
+        for child, proxy in m.named_children():
+            if not (isinstance(proxy, QuantProxy) and proxy.is_quant_enabled):
+                continue
+            spec = proxy.spec
+            where = f"export_onnx: layer {name!r} has {child}={spec.name}"
+            limit = 32 if child == "bias_quant" else 8
+            wrong = None
+            if spec.quant_type is not QuantType.INT:
+                wrong = f"{spec.quant_type.value} codes"
+            elif spec.bit_width > limit:
+                wrong = f"{spec.bit_width}-bit codes"
+            elif has_zero_point(spec):
+                wrong = "a zero point"
+            elif spec.rounding != "nearest_even":
+                wrong = f"rounding {spec.rounding!r}"
+            elif spec.per is ScalingPerOutputType.GROUP:
+                wrong = "per-group scales"
+            elif spec.quant_delay_steps:
+                wrong = f"quant_delay_steps={spec.quant_delay_steps}"
+            if wrong is not None:
+                raise ValueError(f"{where} ({wrong}); allowed: {_ONNX_ALLOWED}")
+            uncalibrated = "counter" in proxy._buffers and int(proxy.counter) == 0
+            if isinstance(proxy, ActQuantProxy) and uncalibrated:
+                raise ValueError(
+                    f"{where}, which has seen no statistics (its scale would be "
+                    "1/int_scaling); calibrate first: run qtorchlike.calibration_mode("
+                    "model) on a few batches, or train"
+                )
+
+
+def _code_range(spec: Any) -> tuple[int, int]:
+    """The smallest and largest code of an integer quantizer."""
+    b = int(spec.bit_width)
+    if not spec.signed:
+        return 0, 2**b - 1
+    return -(2 ** (b - 1)) + int(spec.narrow_range), 2 ** (b - 1) - 1
+
+
+def _codes_and_scale(qdq: Any, q: QuantTensor, what: str) -> tuple[np.ndarray, np.ndarray]:
+    """``q``'s integer codes and scale, checked to give back its values exactly."""
+    codes = _codes(q, what)
+    scale = np.asarray(q.scale, np.float32)
+    if scale.ndim == 1 and scale.size == codes.shape[0] > 1 and codes.ndim > 1:
+        scale = scale.reshape((-1,) + (1,) * (codes.ndim - 1))  # Brevitas' per-channel (C,)
+    if not np.array_equal(np.asarray(qdq.dequantize(codes, scale)), np.asarray(q.value)):
+        raise ValueError(  # pragma: no cover - codes x scale is the quantizer's own product
+            f"export_onnx: {what}: codes x scale differ from the quantized values"
+        )
+    return codes, scale
+
+
+def export_onnx(
+    model: Module,
+    example_input: Any,
+    *,
+    path: str | os.PathLike[str] | None = None,
+    validate: bool = True,
+    overwrite: bool = False,
+    threads: int | None = None,
+) -> Any:
+    """Exports ``model`` to ONNX in the QDQ format, so ONNX Runtime runs integer kernels.
+
+    The model runs in evaluation mode as a pure JAX function of its input, traced by
+    qort (``pip install "jaxquant-qtorchlike[onnx]"``):
+
+    * each quantized weight becomes ``DequantizeLinear`` of its integer codes (the
+      file holds the codes; int8 codes are stored as uint8 ``code + 128`` with zero
+      point 128, the same values: ONNX Runtime's uint8 x int8 kernels saturate
+      16-bit sums on x86 CPUs without VNNI);
+    * a quantized bias (``Int32Bias``...) becomes ``DequantizeLinear`` of int32 codes;
+    * each enabled activation quantizer (``input_quant``, ``output_quant``,
+      ``QuantReLU``, ``QuantIdentity``...) becomes ``QuantizeLinear`` → (``Clip`` for
+      fewer than 8 bits or a narrow range) → ``DequantizeLinear`` with its
+      calibrated scale (:func:`qort.qdq.quantize_dequantize`), its JAX value being
+      qtorchlike's own fake quantization.
+
+    ONNX Runtime's optimizer fuses ``DequantizeLinear`` → ``Conv`` / ``MatMul`` /
+    ``Gemm`` (→ ``QuantizeLinear``) into ``QLinearConv``, ``QLinearMatMul``,
+    ``QGemm``, ``MatMulIntegerToFloat``; the validation report counts the products
+    between a quantized activation and a quantized weight and names those it left
+    as float ops (``unfused_products``: a convolution whose output is not quantized
+    stays a float ``Conv``). With ``validate``, qort checks every op against JAX
+    (:mod:`qort.validation`): codes equal JAX's or, at a rounding tie, differ by one
+    step (counted in ``report.qdq_steps``).
+
+    The model's modes, switches and state are as before afterwards, also when the
+    export fails. ``path`` is written only after a successful export, atomically; an
+    existing file is replaced only with ``overwrite=True``.
+
+    Args:
+        model: The module in evaluation mode (``model.eval()``), calibrated (see
+            :func:`qotrchlike.calibration_mode`) or trained.
+        example_input: One input batch (float32); the graph has its (static) shape.
+        path: Where to save the ``.onnx`` (optional).
+        validate: Validate the graph op by op against JAX (:mod:`qort.validation`).
+        overwrite: Replace a file already at ``path``.
+        threads: ONNX Runtime threads for validation.
+
+    Returns:
+        A :class:`qort.Exported` (``.model``, ``.report``, ``.save``; run it with
+        :class:`qort.Session`).
+
+    Raises:
+        ImportError: If qort is not installed.
+        TypeError: If ``model`` is not a :class:`qtorchlike.nn.Module` or
+            ``example_input`` is not a numeric array.
+        ValueError: If the model is in training mode, an activation quantizer has
+            seen no statistics, a quantizer is not an integer one of at most 8 bits
+            without zero point (32 for biases) with per-tensor or per-channel scales
+            (the message names layer, quantizer and what is allowed), or
+            ``example_input`` holds NaN or inf.
+        FileExistsError: If ``path`` exists and ``overwrite`` is not set.
+        qort.ExportError: If an op has no ONNX lowering.
+        qort.ValidationError: If the graph disagrees with JAX.
+
+    Example:
+        The executed version is in the docs ("Deploy to ONNX Runtime", qtorchlike);
+        it needs qort, which qtorchlike does not::
+
+            model = qnn.Sequential(qnn.QuantIdentity(), qnn.QuantLinear(4, 8), ...)
+            with calibration_mode(model):
+                model(x)
+            exported = export_onnx(model.eval(), x, path="model.onnx")
+            y = qort.Session(exported)(x)  # close to model(x)
+    """
+    check_model(model, "export_onnx")
+    for flag_name, flag in (("validate", validate), ("overwrite", overwrite)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"export_onnx({flag_name}={flag!r}): {flag_name} must be True or False")
+    example = _example(example_input, "export_onnx")
+    _refuse_for_onnx(model)
+    qort = _import_qort()
+    qdq = qort.qdq
+    if path is not None and os.path.exists(path) and not overwrite:
+        raise FileExistsError(
+            f"export_onnx(path={str(path)!r}): the file exists; pass overwrite=True to replace it"
+        )
+    switches = Switches(model)
+    before = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    handles = []
+    try:
+        for p in proxies(model):
+            if isinstance(p, ActQuantProxy):
+                p.calibrating = False
+        quantized: dict[str, QuantTensor] = {}
+        for name, layer in model.named_modules():
+            if _quant_weighted(layer):
+                wq = layer.quant_weight()
+                if isinstance(wq, QuantTensor):
+                    quantized[_prefixed(name, "weight")] = wq
+        for name, bq in _capture_biases(model, (example,)).items():
+            quantized[_prefixed(name, "bias")] = bq
+        weights = {k: _codes_and_scale(qdq, q, f"param {k!r}") for k, q in quantized.items()}
+
+        def mark(proxy: ActQuantProxy) -> Any:
+            scale = np.asarray(_act_scale(proxy), np.float32)
+            qmin, qmax = _code_range(proxy.spec)
+
+            def reference(x: jax.Array, s: jax.Array, _z: jax.Array) -> jax.Array:
+                return proxy._quantize(x, s).value
+
+            def hook(_proxy: Module, _args: tuple, out: Any) -> Any:
+                x = out.value if isinstance(out, QuantTensor) else out
+                return qdq.quantize_dequantize(x, scale, qmin=qmin, qmax=qmax, reference=reference)
+
+            return hook
+
+        for proxy in proxies(model):
+            if isinstance(proxy, ActQuantProxy) and proxy.is_quant_enabled:
+                handles.append(proxy.register_forward_hook(mark(proxy)))
+        for p in proxies(model):
+            p.enabled = False
+        switches.plain_outputs()
+
+        def fn(x: jax.Array) -> Any:
+            consts = {k: qdq.dequantize(c, s) for k, (c, s) in weights.items()}
+            return functional_call(model, consts, x)[0]
+
+        exported = qort.export_function(
+            fn,
+            example,
+            input_names=["input"],
+            output_names=["output"],
+            validate=validate,
+            threads=threads,
+        )
+    finally:
+        for h in handles:
+            h.remove()
+        switches.restore()
+        set_state(model, before)
+    if path is not None:
+        exported.save(path, overwrite=overwrite)
+    return exported
