@@ -65,7 +65,8 @@ LOCAL_DEPS_ALLOWED = {
     "qcore": set(),
     "qflax": {"qcore"},
     "qlitert": {"qcore"},
-    "qtorchlike": {"qcore", "qlitert"},  # qlitert only through the `litert` extra
+    # qlitert and qort only through the `litert` and `onnx` extras
+    "qtorchlike": {"qcore", "qlitert", "qort"},
     "qort": {"qcore", "qflax"},
 }
 

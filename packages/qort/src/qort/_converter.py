@@ -497,7 +497,7 @@ def _name_products(g: Graph) -> dict[str, str]:
             dequantized(x) for x in node.input[:2]
         ):
             node.name = f"qdq_product_{len(found)}"
-            found[node.name] = f"{node.op_type} in {where.get(i, '?')}"
+            found[node.name] = where.get(i) or node.op_type
     return found
 
 

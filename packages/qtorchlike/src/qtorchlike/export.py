@@ -736,6 +736,7 @@ def export_onnx(
     switches = Switches(model)
     before = {**dict(model.named_parameters()), **dict(model.named_buffers())}
     handles = []
+    scopes: list[Any] = []
     try:
         for p in proxies(model):
             if isinstance(p, ActQuantProxy):
@@ -766,6 +767,24 @@ def export_onnx(
         for proxy in proxies(model):
             if isinstance(proxy, ActQuantProxy) and proxy.is_quant_enabled:
                 handles.append(proxy.register_forward_hook(mark(proxy)))
+        # Each module's ops are traced under a named scope of its name, so the
+        # validation report names the layer ("Conv in 1/...").
+
+        def enter(name: str) -> Any:
+            def hook(_m: Module, _args: tuple) -> None:
+                scope = jax.named_scope(name)
+                scope.__enter__()
+                scopes.append(scope)
+
+            return hook
+
+        def leave(_m: Module, _args: tuple, _out: Any) -> None:
+            scopes.pop().__exit__(None, None, None)
+
+        for name, m in model.named_modules():
+            if name:
+                handles.append(m.register_forward_pre_hook(enter(name.rpartition(".")[2])))
+                handles.append(m.register_forward_hook(leave))
         for p in proxies(model):
             p.enabled = False
         switches.plain_outputs()
@@ -783,6 +802,8 @@ def export_onnx(
             threads=threads,
         )
     finally:
+        while scopes:  # a forward that raised left its scopes open
+            scopes.pop().__exit__(None, None, None)
         for h in handles:
             h.remove()
         switches.restore()
