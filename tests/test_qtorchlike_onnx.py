@@ -164,23 +164,6 @@ def test_uncalibrated_activation_quantizer_is_refused(digits):
         qtorchlike.export_onnx(model, x)
 
 
-def test_float_bias_conv_is_reported_unfused(digits):
-    """A float bias (no bias_quant): ONNX Runtime keeps that Conv in float; the report says so."""
-    _, (x, _) = digits
-    qtorchlike.manual_seed(2)
-    model = qnn.Sequential(
-        qnn.QuantIdentity(act_quant=Int8ActPerTensorFloat, return_quant_tensor=True),
-        qnn.QuantConv2d(1, 4, 3, weight_quant=Int8WeightPerChannelFloat),
-        qnn.QuantReLU(),
-    )
-    with qtorchlike.calibration_mode(model):
-        model(x[:64])
-    report = qtorchlike.export_onnx(model.eval(), x[:64]).report
-    assert report is not None and report.ok
-    assert report.qdq_products == 1 and report.unfused_products == ("conv_general_dilated in 1",)
-    assert "not fused by ONNX Runtime: conv_general_dilated in 1" in str(report)
-
-
 def test_bad_example_input_is_refused():
     model = qnn.Sequential(qnn.QuantLinear(4, 2)).eval()
     with pytest.raises(TypeError, match=r"export_onnx\(example_input=.*allowed|one input batch"):

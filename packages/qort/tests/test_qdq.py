@@ -120,3 +120,24 @@ def test_conv_bias_and_relu_take_the_forms_onnx_runtime_fuses() -> None:
     assert report is not None and report.ok, str(report)
     assert report.qdq_products == 2 and report.unfused_products == (), str(report)
     np.testing.assert_allclose(qort.Session(exported)(x), jax.jit(f)(x), rtol=0, atol=1e-4)
+
+
+def test_a_product_left_in_float_is_reported() -> None:
+    """A float bias keeps ONNX Runtime's Conv in float: not an error, but named."""
+    x = load_digits().images[:16, None].astype(np.float32) / 16.0
+    w = np.asarray(np.random.default_rng(2).integers(-127, 128, (4, 1, 3, 3)), np.int8)
+
+    def f(x):
+        xq = qdq.quantize_dequantize(x, np.float32(1 / 255), qmin=0, qmax=255)
+        with jax.named_scope("conv1"):
+            y = jax.lax.conv_general_dilated(
+                xq, qdq.dequantize(w, np.float32(0.01)), (1, 1), "VALID"
+            )
+            y = y + jnp.arange(4.0).reshape(1, 4, 1, 1)  # a float bias
+        return qdq.quantize_dequantize(jnp.maximum(y, 0.0), np.float32(0.05), qmin=0, qmax=255)
+
+    report = qort.export_function(f, x).report
+    assert report is not None and report.ok, str(report)
+    assert report.qdq_products == 1
+    assert report.unfused_products == ("conv_general_dilated in conv1",), str(report)
+    assert "not fused by ONNX Runtime: conv_general_dilated in conv1" in str(report)

@@ -415,12 +415,18 @@ def _fuse_biases(g: Graph, refs: dict[str, np.ndarray]) -> None:
                 continue
             if any(readers.get(g.nodes[k].output[0], 0) != 1 for k in [p, *between]):
                 continue
-            if prod.op_type == "Conv" and not between and out.ndim > 2 and out.shape[1] == shape[0]:
+            # Where the added bias runs: along axis 1 for Conv, the last axis for MatMul.
+            added = refs.get(b_in, np.zeros(())).shape
+            added = (1,) * (out.ndim - len(added)) + tuple(added)
+            along = [a for a, n in enumerate(added) if n != 1]
+            if len(added) != out.ndim or along not in ([1], [out.ndim - 1]):
+                continue
+            if prod.op_type == "Conv" and not between and along == [1] and out.ndim > 2:
                 prod.input.append(bias)
-            elif prod.op_type == "MatMul" and out.ndim == 2 and out.shape[1] == shape[0]:
+            elif prod.op_type == "MatMul" and out.ndim == 2 and along == [1]:
                 a, w = prod.input
                 t, _ = source(w, ())
-                attrs = {}
+                attrs: dict[str, Any] = {}
                 if t is not None and g.nodes[t].op_type == "Transpose" and readers[w] == 1:
                     if list(g.nodes[t].attribute[0].ints) != [1, 0]:
                         continue
