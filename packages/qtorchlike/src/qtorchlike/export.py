@@ -687,7 +687,7 @@ def export_onnx(
 
     Args:
         model: The module in evaluation mode (``model.eval()``), calibrated (see
-            :func:`qotrchlike.calibration_mode`) or trained.
+            :func:`qtorchlike.calibration_mode`) or trained.
         example_input: One input batch (float32); the graph has its (static) shape.
         path: Where to save the ``.onnx`` (optional).
         validate: Validate the graph op by op against JAX (:mod:`qort.validation`).
