@@ -32,6 +32,13 @@ def digits():
     return (x[:1400], y[:1400]), (x[1400:], y[1400:])
 
 
+def calibrated(model, x):
+    with qtorchlike.calibration_mode(model) as forward:
+        for i in range(0, 1400, 350):
+            forward(x[i : i + 350])
+    return model.eval()
+
+
 def trained(model, x, y, steps=60):
     """Brief float training, then post-training calibration (Brevitas' PTQ flow)."""
 
@@ -43,10 +50,7 @@ def trained(model, x, y, steps=60):
         step = train_step(model, loss, optim.Adam(model, lr=2e-2))
         for _ in range(steps):
             step(x, y)
-    with qtorchlike.calibration_mode(model) as forward:
-        for i in range(0, 1400, 350):
-            forward(x[i : i + 350])
-    return model.eval()
+    return calibrated(model, x)
 
 
 @pytest.fixture(scope="module")
@@ -74,8 +78,9 @@ def cnn(digits):
 
 @pytest.fixture(scope="module")
 def mlp4(digits):
-    """4-bit weights per channel and a 4-bit QuantReLU between two QuantLinears."""
-    (x, y), _ = digits
+    """4-bit weights per channel and a 4-bit QuantReLU between two QuantLinears
+    (PyTorch's initial weights, calibrated on digits: this test is about the export)."""
+    (x, _), _ = digits
     qtorchlike.manual_seed(1)
     model = qnn.Sequential(
         qnn.Flatten(),
@@ -84,7 +89,7 @@ def mlp4(digits):
         qnn.QuantReLU(bit_width=4, return_quant_tensor=True),
         qnn.QuantLinear(32, 10, weight_quant=Int4WeightPerChannelFloat, bias_quant=Int32Bias),
     )
-    return trained(model, x, y)
+    return calibrated(model, x)
 
 
 def op_types(exported):
@@ -92,13 +97,16 @@ def op_types(exported):
 
 
 def check_against_eager(model, exported, x):
-    """ONNX Runtime's logits against qtorchlike's eval forward on the same batch."""
+    """ONNX Runtime's logits against qtorchlike's eval forward on the same batch.
+
+    Images are independent rows: only a row with a code one step away at a rounding
+    tie (counted by validation) may differ by more than float rounding.
+    """
     want = np.asarray(model(jnp.asarray(x)))
     got = qort.Session(exported)(x)
     assert got.shape == want.shape
-    # Codes one step away at rounding ties may move a logit by a step of the last layer.
-    assert float(np.max(np.abs(got - want))) <= 0.05 * float(np.max(np.abs(want)))
-    assert np.mean(np.argmax(got, 1) == np.argmax(want, 1)) >= 0.99
+    rows_off = np.max(np.abs(got - want), axis=1) > 1e-5 * float(np.max(np.abs(want)))
+    assert int(np.sum(rows_off)) <= exported.report.qdq_steps
     return got, want
 
 
