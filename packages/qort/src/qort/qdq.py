@@ -17,7 +17,7 @@ Codes of 8 bits and fewer are stored as uint8, signed ones as ``code + 128`` wit
 the zero point moved by 128 (the same values): fused with uint8 activations, ONNX
 Runtime's x86 uint8 x int8 kernels add pairs of products in 16 bits and saturate on
 CPUs without VNNI, where uint8 x uint8 is exact (measured on this project's AVX2
-machine: ``QLinearConv`` off by up to 7.75 output units with int8 weights, exact
+machine: ``QLinearConv`` off by up to 8.6 output units with int8 weights, exact
 with uint8); and ONNX Runtime leaves a ``Conv`` unfused when a ``Clip`` sits
 between int8 ``QuantizeLinear`` and ``DequantizeLinear``.
 
