@@ -13,13 +13,15 @@ what it computed before, and the converter writes the ONNX *QDQ format*:
 - :func:`dequantize` of constant integer codes becomes ``DequantizeLinear`` of an
   integer initializer: the file holds the codes (weights, int32 biases).
 
-Codes of 8 bits and fewer are stored as uint8, signed ones as ``code + 128`` with
-the zero point moved by 128 (the same values): fused with uint8 activations, ONNX
+Activation codes, and int8 constants without a zero point (weights), are stored as
+uint8, signed ones as ``code + 128`` with the zero point moved by 128 (the same
+values): fused with uint8 activations, ONNX
 Runtime's x86 uint8 x int8 kernels add pairs of products in 16 bits and saturate on
 CPUs without VNNI, where uint8 x uint8 is exact (measured on this project's AVX2
 machine: ``QLinearConv`` off by up to 8.6 output units with int8 weights, exact
-with uint8); and ONNX Runtime leaves a ``Conv`` unfused when a ``Clip`` sits
-between int8 ``QuantizeLinear`` and ``DequantizeLinear``.
+with uint8; ``benchmarks/qdq_fusion.py``); and ONNX Runtime leaves a ``Conv`` or
+``Gemm`` unfused when a ``Clip`` sits between int8 ``QuantizeLinear`` and
+``DequantizeLinear``.
 
 A bias added to a ``Conv`` or a 2-D product after it (JAX's ``add``) is moved
 into the ``Conv`` / a ``Gemm``, and ``max(x, 0)`` is written as ``Relu``: the forms
