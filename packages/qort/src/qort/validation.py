@@ -53,6 +53,7 @@ import onnx
 from onnx import helper
 
 import qcore
+from qort._capture import SiteRecord
 from qort._converter import Converted
 from qort._graph import Tensor, Unit, value_info
 from qort._quantized import CodeCheck, QdqCheck
@@ -210,7 +211,7 @@ def validate(
     unfused_weight_only = tuple(
         u.quantized.where
         for _, u in units
-        if u.quantized is not None
+        if isinstance(u.quantized, SiteRecord)
         and u.quantized.op == "dot_general"
         and u.quantized.act_spec is None
         and any(_dequantized_weight(conv, k) in dequantized for k in u.nodes)
