@@ -8,7 +8,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from sklearn.datasets import load_digits
 
 import qlitert
 import qtorchlike
@@ -35,14 +34,6 @@ def switches(model):
 
 def state(model):
     return {k: np.asarray(v) for k, v in model.state_dict().items()}
-
-
-@pytest.fixture(scope="module")
-def digits():
-    data = load_digits()
-    x = (data.images[:, None] / 16.0).astype(np.float32)  # (N, 1, 8, 8)
-    y = data.target.astype(np.int32)
-    return (x[:1400], y[:1400]), (x[1400:], y[1400:])
 
 
 @pytest.fixture(scope="module")

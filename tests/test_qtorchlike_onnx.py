@@ -4,7 +4,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from sklearn.datasets import load_digits
 
 import qort
 import qtorchlike
@@ -22,14 +21,6 @@ from qtorchlike.quant import (
 
 BATCH = 397  # the test split, exported at this static shape
 FLOAT_ARITHMETIC = {"Round", "Floor", "Ceil", "Div", "Clip", "Min", "Max"}
-
-
-@pytest.fixture(scope="module")
-def digits():
-    data = load_digits()
-    x = (data.images[:, None] / 16.0).astype(np.float32)  # (N, 1, 8, 8)
-    y = data.target.astype(np.int32)
-    return (x[:1400], y[:1400]), (x[1400:], y[1400:])
 
 
 def calibrated(model, x):

@@ -468,27 +468,7 @@ def export_tflite(
     for name, flag in (("validate", validate), ("overwrite", overwrite)):
         if not isinstance(flag, bool):
             raise TypeError(f"export_tflite({name}={flag!r}): {name} must be True or False")
-    try:
-        example = np.asarray(example_input)
-    except (TypeError, ValueError):  # ragged lists
-        example = np.asarray(None)
-    if example.ndim == 0 or not (
-        np.issubdtype(example.dtype, np.number) or example.dtype == np.bool_
-    ):
-        raise TypeError(
-            f"export_tflite(example_input={type(example_input).__name__} of dtype "
-            f"{example.dtype}, shape {example.shape}): give one input batch as an array "
-            "(e.g. float32 of shape (1, 1, 28, 28)); the model is exported at its shape"
-        )
-    if np.issubdtype(example.dtype, np.floating):
-        example = example.astype(np.float32)
-    bad = int(example.size - np.count_nonzero(np.isfinite(example)))
-    if bad:
-        raise ValueError(
-            f"export_tflite(example_input of shape {example.shape}): {bad} non-finite "
-            f"value{'s' if bad != 1 else ''} (NaN or inf) of {example.size}; allowed: finite "
-            "values (the export calibrates on it)"
-        )
+    example = _example(example_input, "export_tflite")
     _refuse_unexportable(model)
     qlitert = _import_qlitert()
     if path is not None:  # before the conversion, to fail early
