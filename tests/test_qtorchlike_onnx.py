@@ -167,3 +167,23 @@ def test_bad_example_input_is_refused():
     model = qnn.Sequential(qnn.QuantLinear(4, 2)).eval()
     with pytest.raises(TypeError, match=r"export_onnx\(example_input=.*allowed|one input batch"):
         qtorchlike.export_onnx(model, "x")
+
+
+@pytest.mark.parametrize("bits", [3, 8])
+def test_truncating_average_pool_is_refused_and_exact_one_exports(bits):
+    """TruncAvgPool2d's truncation has no QDQ form: it was exported as a plain average."""
+    model = qnn.Sequential(
+        qnn.QuantReLU(bit_width=4, return_quant_tensor=True),
+        qnn.TruncAvgPool2d(2, bit_width=bits, return_quant_tensor=True),
+    )
+    x = np.random.default_rng(0).uniform(0, 1, (1, 1, 4, 4)).astype(np.float32)
+    with qtorchlike.calibration_mode(model) as forward:
+        forward(x)
+    model.eval()
+    if bits == 3:  # 4-bit codes summed over 2 x 2 need 6 bits
+        with pytest.raises(ValueError, match=r"layer '1' \(TruncAvgPool2d\) truncates"):
+            qtorchlike.export_onnx(model, x)
+    else:
+        exported = qtorchlike.export_onnx(model, x)
+        want = np.asarray(model(x).value)
+        np.testing.assert_allclose(qort.Session(exported)(x), want, atol=1e-6)

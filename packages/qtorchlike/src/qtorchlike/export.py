@@ -36,10 +36,12 @@ import numpy as np
 from jax import extend as jex
 from jax import lax
 
+from qtorchlike import functional as F
 from qtorchlike._proxy import ActQuantProxy, QuantProxy, WeightQuantProxy, has_quant
 from qtorchlike._switches import Switches, check_model, proxies
 from qtorchlike._zero_point import ZeroPointActQuantProxy, has_zero_point
 from qtorchlike.func import functional_call
+from qtorchlike.nn._pool import TruncAvgPool2d
 from qtorchlike.nn._quant_layer import QuantWBIOL
 from qtorchlike.nn.module import Module, set_state
 from qtorchlike.quant_tensor import QuantTensor
@@ -103,6 +105,15 @@ def _capture_biases(model: Module, args: tuple) -> dict[str, QuantTensor]:
         if id(m) in layers:
             handles += [m.register_forward_pre_hook(enter), m.register_forward_hook(leave)]
             handles.append(m.bias_quant.register_forward_hook(record))
+    _eval_forward(model, args, handles)
+    return found
+
+
+def _eval_forward(model: Module, args: tuple, handles: list) -> None:
+    """One evaluation-mode forward pass with ``handles``' hooks, which are then removed.
+
+    The model's modes and switches are restored afterwards, also if it raises.
+    """
     switches = Switches(model)
     try:
         model.eval()
@@ -114,7 +125,36 @@ def _capture_biases(model: Module, args: tuple) -> dict[str, QuantTensor]:
         for h in handles:
             h.remove()
         switches.restore()
-    return found
+
+
+def _refuse_truncation(model: Module, args: tuple) -> None:
+    """Raises ValueError for a TruncAvgPool2d that truncates on this input.
+
+    Its window sums of codes shifted right to ``bit_width`` bits have no QDQ form
+    (the export traces plain arrays, so it would be a plain average); one whose
+    ``bit_width`` holds the sums computes the average exactly and exports.
+    """
+    found: list[str] = []
+    names = {id(m): n for n, m in model.named_modules()}
+
+    def check(pool: Module, inputs: tuple, _out: Any) -> None:
+        acc = F.avg_pool2d(inputs[0], pool.kernel_size, pool.stride)
+        if isinstance(acc, QuantTensor) and float(acc.bit_width) > pool.bit_width:
+            found.append(
+                f"layer {names[id(pool)]!r} (TruncAvgPool2d) truncates its "
+                f"{float(acc.bit_width):g}-bit window sums to {pool.bit_width} bits"
+            )
+
+    handles = [
+        m.register_forward_hook(check) for m in model.modules() if isinstance(m, TruncAvgPool2d)
+    ]
+    if handles:
+        _eval_forward(model, args, handles)
+    if found:
+        raise ValueError(
+            f"export_onnx: {found[0]}, which has no QDQ form; allowed: a bit_width that "
+            "holds the sums, or AvgPool2d followed by an activation quantizer"
+        )
 
 
 def _quant_weighted(m: Module) -> bool:
@@ -707,6 +747,7 @@ def export_onnx(
             raise TypeError(f"export_onnx({flag_name}={flag!r}): {flag_name} must be True or False")
     example = _example(example_input, "export_onnx")
     _refuse_for_onnx(model)
+    _refuse_truncation(model, (example,))
     qort = _import_qort()
     qdq = qort.qdq
     if path is not None and os.path.exists(path) and not overwrite:
