@@ -56,3 +56,52 @@ def test_nnx_qat_model_is_refused() -> None:
     model = qflax.quantize_model(Block(nnx.Rngs(0)), qflax.QtProvider(W8A8), X)
     with pytest.raises(qort.ExportError, match="QtProvider; allowed: qflax.PtqProvider"):
         qort.export(model, X)
+
+
+class TwoMethods(nnx.Module):
+    """A classifier with an encoder method of other inputs (from a new user's trial)."""
+
+    def __init__(self, rngs: nnx.Rngs) -> None:
+        self.embed = nnx.Embed(50, 32, rngs=rngs)
+        self.body = nnx.Linear(32, 32, rngs=rngs)
+        self.head = nnx.Linear(32, 4, rngs=rngs)
+
+    def __call__(self, x: jax.Array, z: jax.Array) -> jax.Array:
+        return self.head(nnx.relu(self.body(x))) + z
+
+    def encode(self, ids: jax.Array) -> jax.Array:
+        return self.body(self.embed(ids))
+
+
+def test_quantized_nnx_model_exports_another_method() -> None:
+    x, z = X[0, :4], jax.numpy.ones((4, 4))
+    ids = jax.numpy.arange(8).reshape(2, 4)
+    rules = [qflax.QuantizationRule(op_names=["dot_general"], weight_qtype="int8")]
+    model = qflax.quantize_model(
+        TwoMethods(nnx.Rngs(0)), qflax.PtqProvider(rules), x, z, methods=("__call__", "encode")
+    )
+    exported = qort.export(model, ids, method="encode")
+    assert exported.report is not None and exported.report.ok, str(exported.report)
+    assert_close_to(qort.Session(exported)(ids), model.encode(ids), 1e-5)
+    only_call = qflax.quantize_model(TwoMethods(nnx.Rngs(0)), qflax.PtqProvider(rules), x, z)
+    with pytest.raises(qort.ExportError, match="method='encode' is not one of the quantized"):
+        qort.export(only_call, ids, method="encode")
+
+
+class Trainable(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs) -> None:
+        self.linear = nnx.Linear(32, 32, rngs=rngs)
+        self.norm = nnx.BatchNorm(32, rngs=rngs)
+        self.dropout = nnx.Dropout(0.1, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.dropout(self.norm(self.linear(x)))
+
+
+def test_nnx_model_in_training_mode_is_refused() -> None:
+    model = Trainable(nnx.Rngs(0))
+    with pytest.raises(qort.ExportError, match=r"call model\.eval\(\) first"):
+        qort.export(model, X)
+    model.eval()
+    exported = qort.export(model, X)
+    assert_close_to(qort.Session(exported)(X), model(X), 1e-5)

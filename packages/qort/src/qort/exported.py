@@ -31,6 +31,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import flax.errors
 import jax
 import onnx
 from flax import nnx
@@ -139,8 +140,15 @@ def export(
     if isinstance(model, nnx.Module):
         # NNX models hold their variables: ``variables`` is the first input.
         inputs = example_inputs if variables is None else (variables, *example_inputs)
-        fn, sites = _nnx_function(model, inputs, method)
-        return _export(fn, inputs, sites, input_names, output_names, validate, threads)
+        try:
+            fn, sites = _nnx_function(model, inputs, method)
+            return _export(fn, inputs, sites, input_names, output_names, validate, threads)
+        except flax.errors.TraceContextError as e:
+            raise ExportError(
+                f"model ({type(model).__name__}) changes its state while it runs (batch "
+                "statistics, dropout's random counts: training mode); call model.eval() "
+                "first"
+            ) from e
     provider = getattr(model, "qflax_provider", None)
     if provider is not None:
         capture = _capture_provider(model, provider)
@@ -183,18 +191,27 @@ def _nnx_function(model: nnx.Module, inputs: tuple, method: str | None) -> tuple
 
     A quantized model is cloned and the clone re-quantized with a
     :class:`CaptureProvider` of the same rules (its quantized params stay as they
-    are), so the user's model is left untouched.
+    are; ``method`` is traced to find its ops), so the user's model is left
+    untouched.
     """
     name = method or "__call__"
+    if not callable(getattr(model, name, None)):
+        raise ExportError(f"method={name!r}: {type(model).__name__} has no such method")
     provider = getattr(model, "qflax_provider", None)
     sites: dict = {}
     if provider is not None:
+        methods = tuple(model.qflax_methods)
+        if name not in methods:
+            raise ExportError(
+                f"method={name!r} is not one of the quantized methods {methods}; allowed: "
+                "one of them (quantize the model with methods=(..., {name!r}) to export it)"
+            )
         capture = _capture_provider(model, provider)
         model = nnx.clone(model)
-        qflax.quantize_model(model, capture, *inputs, methods=model.qflax_methods)
+        # quantize_model traces its first method on the inputs: the exported one.
+        order = (name, *(m for m in methods if m != name))
+        qflax.quantize_model(model, capture, *inputs, methods=order)
         sites = capture.sites
-    if not callable(getattr(model, name, None)):
-        raise ExportError(f"method={name!r}: {type(model).__name__} has no such method")
     graphdef, state = nnx.split(model)
 
     def fn(*args: Any) -> Any:
