@@ -187,3 +187,11 @@ def test_truncating_average_pool_is_refused_and_exact_one_exports(bits):
         exported = qtorchlike.export_onnx(model, x)
         want = np.asarray(model(x).value)
         np.testing.assert_allclose(qort.Session(exported)(x), want, atol=1e-6)
+
+
+def test_directory_path_is_named_as_one(tmp_path):
+    model = qnn.Sequential(qnn.QuantLinear(4, 2)).eval()
+    (tmp_path / "keep.txt").write_text("kept")
+    with pytest.raises(ValueError, match="is a directory"):
+        qtorchlike.export_onnx(model, np.ones((1, 4), np.float32), path=tmp_path)
+    assert (tmp_path / "keep.txt").read_text() == "kept"

@@ -640,8 +640,8 @@ def _refuse_for_onnx(model: Module) -> None:
             uncalibrated = "counter" in proxy._buffers and int(proxy.counter) == 0
             if isinstance(proxy, ActQuantProxy) and uncalibrated:
                 raise ValueError(
-                    f"{where}, which has seen no statistics (its scale would be "
-                    "1/int_scaling); calibrate first: run qtorchlike.calibration_mode("
+                    f"{where}, which has seen no statistics (its scale is still its initial "
+                    "value); calibrate first: run qtorchlike.calibration_mode("
                     "model) on a few batches, or train"
                 )
 
@@ -750,7 +750,9 @@ def export_onnx(
     _refuse_truncation(model, (example,))
     qort = _import_qort()
     qdq = qort.qdq
-    if path is not None and os.path.exists(path) and not overwrite:
+    if path is not None and os.path.isdir(os.path.expanduser(path)):
+        raise ValueError(f"export_onnx(path={str(path)!r}) is a directory; allowed: a file path")
+    if path is not None and os.path.exists(os.path.expanduser(path)) and not overwrite:
         raise FileExistsError(
             f"export_onnx(path={str(path)!r}): the file exists; pass overwrite=True to replace it"
         )
