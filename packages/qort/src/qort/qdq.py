@@ -174,8 +174,9 @@ def quantize_dequantize(
     module). The codes are uint8, signed ones stored as ``code + 128`` with zero
     point ``zero_point + 128`` (the same values; ONNX Runtime's x86 kernels take
     uint8 activations); a range narrower than the 8-bit container (4-bit, narrow
-    int8) adds a ``Clip`` of the codes. It marks a model for export: its gradient is
-    that of the rounding, zero (no straight-through estimator).
+    int8) adds a ``Clip`` of the codes. It marks a model for export: without a
+    ``reference``, its gradient is that of the rounding, zero (no straight-through
+    estimator).
 
     Args:
         x: The float values.
