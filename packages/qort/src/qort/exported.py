@@ -200,7 +200,7 @@ def _nnx_function(model: nnx.Module, inputs: tuple, method: str | None) -> tuple
     provider = getattr(model, "qflax_provider", None)
     sites: dict = {}
     if provider is not None:
-        methods = tuple(model.qflax_methods)
+        methods = tuple(getattr(model, "qflax_methods", ("__call__",)))
         if name not in methods:
             raise ExportError(
                 f"method={name!r} is not one of the quantized methods {methods}; allowed: "
