@@ -27,11 +27,10 @@ import jax.numpy as jnp
 import numpy as np
 import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
-from ops import run_info
+from ops import publish, run_info
 
 import qcore
 import qort
-from qcore.files import write_atomic
 
 HERE = Path(__file__).resolve().parent
 M, K, N = 4096, 384, 1536
@@ -192,10 +191,8 @@ def main() -> int:
         "matmul_integer": matmul_integer(rng),
         "quantize": scales_and_codes(rng),
     }
-    out = HERE / "results" / "onnx_numerics.json"
-    write_atomic(out, json.dumps(data, indent=1).encode())
     print(json.dumps({k: v for k, v in data.items() if k != "machine"}, indent=1))
-    print(f"wrote {out}")
+    publish("onnx_numerics", data, HERE / "results" / "onnx_numerics.json", readme=False)
     return 0
 
 

@@ -248,13 +248,13 @@ def publish(
     data: dict[str, Any],
     out: Path,
     readme: bool,
-    update_readme: Callable[[dict[str, Any], Path], None],
+    update_readme: Callable[[dict[str, Any], Path], None] | None = None,
 ) -> None:
     """Writes the results JSON; with ``readme``, rewrites the README section and the chart."""
     out.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(out, json.dumps(data, indent=1).encode())
     print(f"\nwrote {out}")
-    if readme:
+    if readme and update_readme is not None:
         update_readme(data, HERE / "README.md")
         print(f"updated {HERE / 'README.md'} and {plots.save(name, data)}")
 

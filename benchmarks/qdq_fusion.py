@@ -34,9 +34,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
-from ops import run_info
-
-from qcore.files import write_atomic
+from ops import publish, run_info
 
 HERE = Path(__file__).resolve().parent
 PRODUCTS = {"Conv", "MatMul", "Gemm"}
@@ -205,10 +203,8 @@ def main() -> int:
         "fusion_forms": forms(rng),
         "xla_division": xla_division(),
     }
-    out = HERE / "results" / "qdq_fusion.json"
-    write_atomic(out, json.dumps(data, indent=1).encode())
     print(json.dumps({k: v for k, v in data.items() if k != "machine"}, indent=1))
-    print(f"wrote {out}")
+    publish("qdq_fusion", data, HERE / "results" / "qdq_fusion.json", readme=False)
     return 0
 
 
