@@ -153,7 +153,7 @@ def scales_and_codes(rng: np.random.Generator) -> dict[str, Any]:
 
 
 def qort_codes_differ(x: np.ndarray, codes: np.ndarray) -> int:
-    """qort's exported w8a8 codes (the ``MatMulInteger`` operand) that differ from qcore's."""
+    """qort's exported w8a8 codes (the integer product's operand) that differ from qcore's."""
     import flax.linen as nn  # noqa: PLC0415
     import jax  # noqa: PLC0415
 
@@ -164,7 +164,7 @@ def qort_codes_differ(x: np.ndarray, codes: np.ndarray) -> int:
     variables = model.init(jax.random.key(0), x)
     exported = qort.export(model, variables, x, input_names=["x"])
     # The codes are the first operand of the one integer product.
-    (product,) = [n for n in exported.model.graph.node if n.op_type == "MatMulInteger"]
+    (product,) = [n for n in exported.model.graph.node if n.op_type == "MatMulIntegerToFloat"]
     graph = helper.make_graph(
         list(exported.model.graph.node),
         "g",
