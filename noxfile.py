@@ -222,6 +222,7 @@ def bench(session: nox.Session) -> None:
     session.run("python", "benchmarks/onnx_export.py", "--export-for-peer", ONNX_PEER_DIR)
     session.run(sys.executable, "-m", "nox", "-s", "onnx_peer", "--", ONNX_PEER_DIR, external=True)
     session.run("python", "benchmarks/onnx_export.py", "--peer", ONNX_PEER_DIR, *args)
+    session.run("python", "benchmarks/onnx_profile.py", "--peer", ONNX_PEER_DIR, *args)
     for script in (
         "minilm.py",
         "quantize_params.py",

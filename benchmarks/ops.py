@@ -250,13 +250,15 @@ def publish(
     readme: bool,
     update_readme: Callable[[dict[str, Any], Path], None] | None = None,
 ) -> None:
-    """Writes the results JSON; with ``readme``, rewrites the README section and the chart."""
+    """Writes the results JSON; with ``readme``, rewrites the README section and the chart
+    (if ``plots`` draws one for ``name``)."""
     out.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(out, json.dumps(data, indent=1).encode())
     print(f"\nwrote {out}")
     if readme and update_readme is not None:
         update_readme(data, HERE / "README.md")
-        print(f"updated {HERE / 'README.md'} and {plots.save(name, data)}")
+        chart = f" and {plots.save(name, data)}" if name in plots.CHARTS else ""
+        print(f"updated {HERE / 'README.md'}{chart}")
 
 
 def table(rows: list[dict[str, Any]]) -> str:
