@@ -144,6 +144,18 @@ def export_row(name: str, model: Any, params: Any, ids: Any, mask: Any, out: Pat
     return session_row(name, path, seconds, note)
 
 
+def check_peer(parser: argparse.ArgumentParser, peer: Path) -> None:
+    """Stops with a usage error unless ``peer`` holds every file onnx_peer.py writes."""
+    missing = [
+        f for f in [*PEER_FILES.values(), "peer.json", "embeddings.npz"] if not (peer / f).is_file()
+    ]
+    if missing:
+        parser.error(
+            f"--peer {peer}: missing {', '.join(missing)}; make them with "
+            f"--export-for-peer {peer}, then onnx_peer.py {peer} (or nox -s bench)"
+        )
+
+
 def peer_row(name: str, path: Path) -> Row:
     """A file of onnx_peer.py (Hugging Face's BERT takes int64 ids and mask)."""
     session = ort_session(path)
@@ -322,6 +334,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     group.add_argument("--peer", type=Path, metavar="DIR", help="add onnx_peer.py's rows of DIR")
     args = parser.parse_args(argv)
+    if args.peer is not None:
+        check_peer(parser, args.peer)
     if args.quick:
         args.sentences, args.reps, args.warmup, args.readme = 64, 3, 1, False
     elif args.reps < 21:

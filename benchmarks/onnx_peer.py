@@ -126,6 +126,16 @@ def main(argv: list[str]) -> int:
         print(f"usage: {Path(sys.argv[0]).name} DIR", file=sys.stderr)
         return 2
     out = Path(argv[0])
+    if not (out / "inputs.npz").is_file():
+        print(
+            f"{out / 'inputs.npz'} not found: write it first with "
+            f"python benchmarks/onnx_export.py --export-for-peer {out}",
+            file=sys.stderr,
+        )
+        return 2
+    # A failed run must not leave a previous run's files to be measured as this one's.
+    for stale in ("ort_fused_fp32.onnx", "ort_fused_int8.onnx", "embeddings.npz", "peer.json"):
+        (out / stale).unlink(missing_ok=True)
     inputs = np.load(out / "inputs.npz")
     reps, warmup = int(inputs["reps"]), int(inputs["warmup"])
     torch.set_num_threads(THREADS)

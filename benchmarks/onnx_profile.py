@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from minilm import stdlib_sentences
 from minilm_model import MiniLM, load_params, load_tokenizer, tokenize
-from onnx_export import BATCH, PEER_FILES, SEED, THREADS, W8A8, qflax_params, rules
+from onnx_export import BATCH, PEER_FILES, SEED, THREADS, W8A8, check_peer, qflax_params, rules
 from ops import measured_on, publish, replace_section, run_info
 
 import qflax
@@ -97,6 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--readme", action="store_true", help="rewrite the table in README.md")
     parser.add_argument("--quick", action="store_true", help="3 calls per file, no README")
     args = parser.parse_args(argv)
+    if args.peer is not None:
+        check_peer(parser, args.peer)
     if args.quick:
         args.reps, args.warmup, args.readme = 3, 1, False
     elif args.reps < 21:
