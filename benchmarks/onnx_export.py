@@ -144,6 +144,22 @@ def export_row(name: str, model: Any, params: Any, ids: Any, mask: Any, out: Pat
     return session_row(name, path, seconds, note)
 
 
+def minilm_inputs(sentences: int) -> tuple[Any, np.ndarray, np.ndarray, list]:
+    """The float params, ``(ids, mask)`` of ``sentences`` evaluation sentences, and the
+    calibration batches (the next 128 sentences of the same seeded draw)."""
+    tok = load_tokenizer()
+    params = jax.tree.map(jnp.asarray, load_params())
+    pool = stdlib_sentences()
+    perm = np.random.default_rng(SEED).permutation(len(pool))
+    ids, mask = tokenize(tok, [pool[i] for i in sorted(perm[:sentences])])
+    cal_ids, cal_mask = tokenize(tok, [pool[i] for i in sorted(perm[sentences:][:128])])
+    calibration = [
+        (jnp.asarray(cal_ids[i : i + BATCH]), jnp.asarray(cal_mask[i : i + BATCH]))
+        for i in range(0, len(cal_ids), BATCH)
+    ]
+    return params, ids, mask, calibration
+
+
 def check_peer(parser: argparse.ArgumentParser, peer: Path) -> None:
     """Stops with a usage error unless ``peer`` holds every file onnx_peer.py writes."""
     missing = [
@@ -345,16 +361,7 @@ def main(argv: list[str] | None = None) -> int:
     info = run_info(
         args.reps, qort=qort.__version__, onnxruntime=onnxruntime.__version__, threads=THREADS
     )
-    tok = load_tokenizer()
-    params = jax.tree.map(jnp.asarray, load_params())
-    pool = stdlib_sentences()
-    perm = np.random.default_rng(SEED).permutation(len(pool))
-    ids, mask = tokenize(tok, [pool[i] for i in sorted(perm[: args.sentences])])
-    cal_ids, cal_mask = tokenize(tok, [pool[i] for i in sorted(perm[args.sentences :][:128])])
-    calibration = [
-        (jnp.asarray(cal_ids[i : i + BATCH]), jnp.asarray(cal_mask[i : i + BATCH]))
-        for i in range(0, len(cal_ids), BATCH)
-    ]
+    params, ids, mask, calibration = minilm_inputs(args.sentences)
     if args.export_for_peer is not None:
         args.export_for_peer.mkdir(parents=True, exist_ok=True)
         np.savez(

@@ -10,8 +10,9 @@ from ONNX Runtime's own profiler (``SessionOptions.enable_profiling``), for:
   (torch export, ``onnxruntime.transformers.optimizer``, and its per-channel int8).
 
 Each file runs ``--reps`` times on one batch of 32 x 128 tokens (2 intra-op threads)
-after warm-up, one file after the other; a row is an operator type, a column a file,
-and a cell the median over the calls of that type's summed kernel time per call (ms).
+after warm-up, in interleaved rounds that call every file once. A row is an operator
+type, a column a file, and a cell the median over the calls of that type's summed
+kernel time per call (ms).
 ``kernels`` is the sum of every type, ``wall`` the median time of ``run()`` itself,
 as the profiler records it (the difference is ONNX Runtime's scheduling and copies).
 Types under 1 ms in every file are summed into ``other``.
@@ -30,12 +31,19 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 import numpy as np
-from minilm import stdlib_sentences
-from minilm_model import MiniLM, load_params, load_tokenizer, tokenize
-from onnx_export import BATCH, PEER_FILES, SEED, THREADS, W8A8, check_peer, qflax_params, rules
+from minilm_model import MiniLM
+from onnx_export import (
+    BATCH,
+    PEER_FILES,
+    THREADS,
+    W8A8,
+    check_peer,
+    minilm_inputs,
+    qflax_params,
+    rules,
+)
 from ops import measured_on, publish, replace_section, run_info
 
 import qflax
@@ -46,26 +54,39 @@ HERE = Path(__file__).resolve().parent
 MIN_MS = 1.0
 
 
-def profile(path: Path, feeds: dict[str, np.ndarray], reps: int, warmup: int) -> dict[str, Any]:
-    """Median kernel ms per operator type, and the median wall ms, of ``reps`` calls."""
+def profile(
+    paths: dict[str, Path], feeds: dict[str, np.ndarray], reps: int, warmup: int
+) -> dict[str, dict[str, Any]]:
+    """Per file: median kernel ms per operator type, and the median wall ms, of ``reps``
+    calls made in interleaved rounds (each round calls every file once)."""
     import onnxruntime as ort  # noqa: PLC0415
 
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = THREADS
-    options.inter_op_num_threads = 1
-    options.enable_profiling = True
     with tempfile.TemporaryDirectory() as tmp:
-        options.profile_file_prefix = str(Path(tmp) / "profile")
-        session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
-        names = [i.name for i in session.get_inputs()]
-        types = {i.name: i.type for i in session.get_inputs()}
-        feed = {
-            n: v.astype(np.int64 if types[n] == "tensor(int64)" else np.int32)
-            for n, v in zip(names, feeds.values(), strict=True)
-        }
+        sessions, inputs = {}, {}
+        for k, (name, path) in enumerate(paths.items()):
+            options = ort.SessionOptions()
+            options.intra_op_num_threads = THREADS
+            options.inter_op_num_threads = 1
+            options.enable_profiling = True
+            options.profile_file_prefix = str(Path(tmp) / f"profile{k}")
+            session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+            types = [i.type for i in session.get_inputs()]
+            inputs[name] = {
+                i.name: v.astype(np.int64 if t == "tensor(int64)" else np.int32)
+                for i, t, v in zip(session.get_inputs(), types, feeds.values(), strict=True)
+            }
+            sessions[name] = session
         for _ in range(warmup + reps):
-            session.run(None, feed)
-        events = json.loads(Path(session.end_profiling()).read_text())
+            for name, session in sessions.items():
+                session.run(None, inputs[name])
+        events = {
+            name: json.loads(Path(s.end_profiling()).read_text()) for name, s in sessions.items()
+        }
+    return {name: kernel_times(e, warmup) for name, e in events.items()}
+
+
+def kernel_times(events: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
+    """Medians over the profiled calls after ``warmup``: per operator type, all, wall."""
     runs = sorted(
         (e["ts"], e["ts"] + e["dur"])
         for e in events
@@ -108,16 +129,9 @@ def main(argv: list[str] | None = None) -> int:
     info = run_info(
         args.reps, qort=qort.__version__, onnxruntime=onnxruntime.__version__, threads=THREADS
     )
-    tok = load_tokenizer()
-    params = jax.tree.map(jnp.asarray, load_params())
-    pool = stdlib_sentences()
-    perm = np.random.default_rng(SEED).permutation(len(pool))
-    ids, mask = tokenize(tok, [pool[i] for i in sorted(perm[:BATCH])])
-    cal_ids, cal_mask = tokenize(tok, [pool[i] for i in sorted(perm[512:][:128])])
-    calibration = [
-        (jnp.asarray(cal_ids[i : i + BATCH]), jnp.asarray(cal_mask[i : i + BATCH]))
-        for i in range(0, len(cal_ids), BATCH)
-    ]
+    # onnx_export.py's default draw: its first batch, calibrated on the same sentences.
+    params, ids, mask, calibration = minilm_inputs(512)
+    ids, mask = ids[:BATCH], mask[:BATCH]
     example = (jnp.asarray(ids), jnp.asarray(mask))
     qmodel, qp = qflax_params(rules(**W8A8), params, *example)
     data = qflax.CalibrationData(MiniLM(), params, calibration)
@@ -128,7 +142,6 @@ def main(argv: list[str] | None = None) -> int:
         "qort w8a8": (qmodel, qp),
         "qort w8a8 SmoothQuant": (smodel, sparams),
     }
-    result: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as tmp:
         files = {}
         for name, (model, p) in models.items():
@@ -136,9 +149,9 @@ def main(argv: list[str] | None = None) -> int:
             files[name] = exported.save(Path(tmp) / f"{name.replace(' ', '_')}.onnx")
         if args.peer is not None:
             files |= {name: args.peer / file for name, file in PEER_FILES.items()}
-        for name, path in files.items():
-            result[name] = profile(path, {"ids": ids, "mask": mask}, args.reps, args.warmup)
-            print(name, round(result[name]["wall"], 1), flush=True)
+        result = profile(files, {"ids": ids, "mask": mask}, args.reps, args.warmup)
+    for name, r in result.items():
+        print(name, round(r["wall"], 1), flush=True)
     out = {"machine": info, "files": result}
     publish("onnx_profile", out, args.out, args.readme, update_readme)
     print(report(out))
