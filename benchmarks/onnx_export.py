@@ -11,8 +11,8 @@ Two models, each measured in one run:
   models exported with qort: w8a8 (per-token int8 activations), w8a8 with
   SmoothQuant (alpha 0.5, scales carried: BERT's LayerNorms also feed the residual
   connections, so its scales cannot be folded into them), the same with the
-  embedding tables in int8, and int4 weights in tiles of 128 (weight-only). The quantized rules are
-  ``minilm.py``'s: the encoder's 36 Dense matmuls.
+  embedding tables in int8, and int4 weights in tiles of 128 (weight-only). The
+  quantized rules are ``minilm.py``'s: the encoder's 36 Dense matmuls.
 * **the digits CNN** (scikit-learn's bundled ``load_digits``, the network of
   ``examples/digits_end_to_end.py``, trained here in float for a few epochs): float,
   ONNX Runtime's ``quantize_dynamic``, and qort's w8a8 (dynamic) and int8
@@ -162,9 +162,8 @@ def minilm_inputs(sentences: int) -> tuple[Any, np.ndarray, np.ndarray, list]:
 
 def check_peer(parser: argparse.ArgumentParser, peer: Path) -> None:
     """Stops with a usage error unless ``peer`` holds every file onnx_peer.py writes."""
-    missing = [
-        f for f in [*PEER_FILES.values(), "peer.json", "embeddings.npz"] if not (peer / f).is_file()
-    ]
+    wanted = ["inputs.npz", *PEER_FILES.values(), "peer.json", "embeddings.npz"]
+    missing = [f for f in wanted if not (peer / f).is_file()]
     if missing:
         parser.error(
             f"--peer {peer}: missing {', '.join(missing)}; make them with "
@@ -371,6 +370,11 @@ def main(argv: list[str] | None = None) -> int:
         )  # fmt: skip
         print(f"wrote {args.export_for_peer / 'inputs.npz'}; now run onnx_peer.py on it")
         return 0
+    if args.peer is not None and not np.array_equal(np.load(args.peer / "inputs.npz")["ids"], ids):
+        parser.error(
+            f"--peer {args.peer} was made for other sentences: write it again with "
+            f"--export-for-peer and the same --sentences/--quick as this run"
+        )
     example = (jnp.asarray(ids[:BATCH]), jnp.asarray(mask[:BATCH]))
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp)
