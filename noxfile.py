@@ -219,7 +219,8 @@ def bench(session: nox.Session) -> None:
     session.run("python", "benchmarks/litert.py", "--peer", PEER_DIR, *args)
     # onnx_export.py likewise: token ids out, the peer's torch and fused ONNX Runtime rows
     # made in its own venv (onnx_peer session), then every file measured in one run.
-    session.run("python", "benchmarks/onnx_export.py", "--export-for-peer", ONNX_PEER_DIR)
+    # (args too: --quick must draw the same sentences in both runs.)
+    session.run("python", "benchmarks/onnx_export.py", "--export-for-peer", ONNX_PEER_DIR, *args)
     session.run(sys.executable, "-m", "nox", "-s", "onnx_peer", "--", ONNX_PEER_DIR, external=True)
     session.run("python", "benchmarks/onnx_export.py", "--peer", ONNX_PEER_DIR, *args)
     session.run("python", "benchmarks/onnx_profile.py", "--peer", ONNX_PEER_DIR, *args)
