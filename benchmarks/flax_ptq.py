@@ -3,13 +3,14 @@
 The model is four ``nn.Dense(4096)`` layers with relu between them (Linen, 4096
 inputs, ~67 M parameters). Every configuration is the whole model under
 ``jax.jit``, timed for ``--reps`` calls after warm-up (median, p10, p90), at
-batch 1 and batch 64, in one process, in rounds of one (warm) call per
-configuration (so slow drifts of a shared machine hit every configuration alike); ratios
-compare rows measured in the same run. "rel L2 err" is ``|y - y_fp32| / |y_fp32|``
-on the same input. "params MiB" is the sum of ``nbytes`` of the param leaves as
-stored: qflax's int4 codes are packed two per byte in ``uint8``; Qwix keeps int4
-codes in ``jnp.int4`` arrays, whose ``nbytes`` reports one byte per code (DESIGN.md:
-they appear to be stored packed in host memory), so that row also gives the packed size in brackets.
+batch 1 and batch 64, in one process, in rounds of one timed call per
+configuration, each after three untimed ones (so slow drifts of a shared machine
+hit every configuration alike); ratios compare rows measured in the same run.
+"rel L2 err" is ``|y - y_fp32| / |y_fp32|`` on the same input. "params MiB" is
+the sum of ``nbytes`` of the param leaves as stored: qflax's int4 codes are packed
+two per byte in ``uint8``; Qwix keeps int4 codes in ``jnp.int4`` arrays, whose
+``nbytes`` reports one byte per code (DESIGN.md: they appear to be stored packed in
+host memory), so that row also gives the packed size in brackets.
 
 Configurations (weights quantized ahead of time with one scale per output
 channel, activations at call time):
@@ -65,11 +66,15 @@ RULES: dict[str, dict[str, Any]] = {
 }
 
 
-def ours(name: str, params: Any, x: jax.Array) -> tuple[Callable, Any]:
-    """(jitted ``apply(x, params)``, quantized params) for a qflax config."""
-    qmodel = qflax.quantize_model(
-        Stack(), qflax.PtqProvider([qflax.QuantizationRule(**RULES[name])])
-    )
+def ours(
+    name: str, params: Any, x: jax.Array, rule: dict[str, Any] | None = None
+) -> tuple[Callable, Any]:
+    """(jitted ``apply(x, params)``, quantized params) for a qflax config.
+
+    ``rule``: the rule's arguments, for a config not in ``RULES``.
+    """
+    rule = RULES[name] if rule is None else rule
+    qmodel = qflax.quantize_model(Stack(), qflax.PtqProvider([qflax.QuantizationRule(**rule)]))
     abstract = jax.eval_shape(qmodel.init, jax.random.key(0), x)["params"]
     return jax.jit(lambda x, p: qmodel.apply({"params": p}, x)), qflax.quantize_params(
         params, abstract
@@ -95,14 +100,20 @@ def param_bytes(params: Any) -> tuple[int, int]:
 
 
 def round_robin(
-    configs: dict[str, tuple[Callable, Any]], x: jax.Array, reps: int, warmup: int
+    configs: dict[str, tuple[Callable, Any]],
+    x: jax.Array,
+    reps: int,
+    warmup: int,
+    untimed: int = 3,
 ) -> dict[str, list[float]]:
     """Milliseconds per call of every config, timed one call each per round.
 
     Interleaving the configs spreads the slow drifts of a shared machine over all
     of them, so the ratios of one run are fair even when its absolute times move.
-    Each turn makes one untimed call first, so the timed call finds the model's
-    code and data warm (as a server calling one model repeatedly does).
+    Each turn makes ``untimed`` calls first, so the timed call finds the model's
+    code and data warm (as a server calling one model repeatedly does) and does not
+    pay for what the previous configuration left behind: after a bf16 or Qwix call
+    (100 ms or more on both cores) one untimed call was not enough.
     """
     for fn, p in configs.values():
         for _ in range(warmup):
@@ -110,7 +121,8 @@ def round_robin(
     times: dict[str, list[float]] = {name: [] for name in configs}
     for _ in range(reps):
         for name, (fn, p) in configs.items():
-            time_call(fn, x, p)  # untimed: warm
+            for _ in range(untimed):
+                time_call(fn, x, p)
             times[name].append(time_call(fn, x, p))
     return times
 
@@ -118,14 +130,14 @@ def round_robin(
 def main(argv: list[str] | None = None) -> int:
     """Runs the benchmark; returns the exit code."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--reps", type=int, default=10, help="timed calls per config (>= 5)")
+    parser.add_argument("--reps", type=int, default=21, help="timed calls per config (>= 21)")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--no-qwix", action="store_true", help="skip the Qwix comparison")
     parser.add_argument("--out", type=Path, default=HERE / "results" / "flax_ptq.json")
     parser.add_argument("--readme", action="store_true", help="rewrite the table in README.md")
     args = parser.parse_args(argv)
-    if args.reps < 5:
-        parser.error(f"--reps must be >= 5, got {args.reps}")
+    if args.reps < 21:
+        parser.error(f"--reps must be >= 21, got {args.reps}")
     qwix = load_qwix(args.no_qwix)
     info = run_info(args.reps, qwix=getattr(qwix, "__version__", None), qflax=qflax.__version__)
     probe = jnp.ones((1, WIDTH))
@@ -199,8 +211,8 @@ def update_readme(data: dict[str, Any], path: Path) -> None:
     body = "\n".join(
         [
             measured_on(m, f"qflax {m['qflax']}, Qwix {m['qwix']}")
-            + f" Median of {m['reps']} warm calls of the jitted model, in rounds of one call"
-            " per config.",
+            + f" Median of {m['reps']} warm calls of the jitted model, in rounds of one timed"
+            " call per config, each after three untimed ones.",
             "",
             table(data["rows"]),
         ]

@@ -334,7 +334,8 @@ def _path_cases(k):
         if tile is not None:  # sub-channel scales: the grouped int4 kernels
             grouped = ("int4", (tile, 1), False)
             cases[f"int4 packed tile {tile} {layout}"] = (None, grouped, layout, True, True)
-    cases["nf4 packed"] = (None, ("nf4", (None, 1), False), "kn", True, False)
+    # nf4 packed along K: the batch-1 lookup kernel for one row (K even), else general.
+    cases["nf4 packed"] = (None, ("nf4", (None, 1), False), "kn", True, "batch 1")
     cases["uint8 asymmetric x int8"] = (("uint8", (1, None), True), col, "kn", False, False)
     tile = _tile(k)
     if tile is not None:  # the grouped general path: weight-only, float and int8 x int8
@@ -383,7 +384,10 @@ def test_every_product_path_is_exact_for_sizes_off_the_kernel_blocks(k):
     options = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
     out = jax.jit(run).lower(operands).compile(compiler_options=options)(operands)
     for (name, m), ys in out.items():
-        assert taken[name, m] == cases[name][4], (name, m)
+        expected = cases[name][4]
+        if expected == "batch 1":
+            expected = m == 1 and k % 2 == 0
+        assert taken[name, m] == expected, (name, m)
         x64, w64 = values[name, m]
         finite_rows = np.isfinite(x64).all(1, keepdims=True)
         x64 = np.where(finite_rows, x64, 0.0)
@@ -401,3 +405,41 @@ def test_every_product_path_is_exact_for_sizes_off_the_kernel_blocks(k):
             np.testing.assert_array_equal(np.isfinite(y), finite, f"{name}, M={m}")
             err = np.abs(y - ref)[finite]
             assert np.all(err <= bound[finite]), (name, m, float(np.max(err / bound[finite])))
+
+
+@pytest.mark.parametrize("tile", [None, 64])
+def test_nf4_at_batch_one_takes_the_select_lookup_kernel(tile):
+    """Packed nf4 with a (K, N) weight and one activation row: no gather, exact lookup."""
+    tiles = {0: tile} if tile else ()
+    how = qcore.HowToQuantize(
+        qtype="nf4", channelwise_axes=(1,), tiled_axes=tiles, pack=True, pack_axis=0
+    )
+    q = qcore.quantize(W, how)
+    x = jax.random.normal(jax.random.key(3), (1, K))
+    dims = (((1,), (0,)), ((), ()))
+    assert kernels.fast_dot_general(x, q, dims, None) is not None
+    with kernels.native_kernels(False):
+        lowered = jax.jit(lambda x, q: qcore.dot_general(x, q, dims)).lower(x, q)
+    assert "gather" not in lowered.as_text()
+    y = np.asarray(lowered.compile()(x, q))
+    ref = np.asarray(x, np.float64) @ np.asarray(qcore.dequantize(q), np.float64)
+    assert float(np.max(np.abs(y - ref)) / np.max(np.abs(ref))) < 1e-6
+    # More rows, or an (N, K) weight, take the general path.
+    assert kernels.fast_dot_general(jnp.concatenate([x, x]), q, dims, None) is None
+    qt = qcore.quantize(W.T, qcore.HowToQuantize(qtype="nf4", channelwise_axes=(0,), pack=True))
+    assert kernels.fast_dot_general(x, qt, (((1,), (1,)), ((), ())), None) is None
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 7, 256, 688])
+def test_pairwise_sum_adds_in_its_documented_order(rows):
+    """Rows 2i and 2i + 1 added level by level, an odd last row carried: the order the
+    optional qkernels package reproduces bit for bit (float addition is not associative,
+    so any other order gives other bits)."""
+    v = np.asarray(jax.random.normal(jax.random.key(rows), (rows, 33)), np.float32) * 1e3
+    expected = v
+    while len(expected) > 1:
+        half = len(expected) // 2
+        pairs = expected[0 : 2 * half : 2] + expected[1 : 2 * half : 2]
+        expected = np.concatenate([pairs, expected[2 * half :]]) if len(expected) % 2 else pairs
+    got = np.asarray(jax.jit(kernels._pairwise_sum)(jnp.asarray(v)))
+    np.testing.assert_array_equal(got, expected)

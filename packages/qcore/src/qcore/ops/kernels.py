@@ -33,12 +33,20 @@ It reads only the 1-byte weights and uses VNNI, so at M = 1 it is ~2.5x faster t
 GEMV and *more* accurate than it (max rel err ~2e-7 vs ~2e-6). Its cost grows with nd*M, so
 for M >~ 16 a blocked float (bf16 or f32) YNNPACK dot is used instead.
 
+With the optional ``qkernels`` package installed, the weight-only products with a
+(K, N) weight, one activation row and per-column scales call its native kernels,
+which compute these functions' float expressions in the same order, bit for bit (see
+:func:`native_kernels`).
+
 All functions are jittable; every shape-dependent choice is static (Python ints).
 Weights: "nk" layout = (N, K) codes (recommended); "kn" = (K, N) codes (fallback paths).
 Scales: per output column, shape (1, N); int4 sub-channel scales (K // group, N).
 """
 
+import contextlib
+import functools
 import math
+import os
 
 import jax
 import jax.numpy as jnp
@@ -83,6 +91,106 @@ def _combine_digits(acc_nc, m, nd):
     for d in range(1, nd):
         y = y * 256.0 + a[:, d]
     return y.T
+
+
+def _sum_of_products(terms):
+    """``a0 * b0 + a1 * b1 + ...`` over ``(a, b)`` pairs, added left to right.
+
+    This is the expression qkernels' batch-1 kernels reproduce bit for bit. XLA:CPU
+    fuses each add with a product: the first add with its left product,
+    ``fma(a0, b0, a1 * b1)``, every later add with the new product,
+    ``fma(aj, bj, sum)`` (read off its compiled code for jax 0.10; ``nox -s kernels``
+    checks that the two still agree).
+    """
+    (a0, b0), rest = terms[0], terms[1:]
+    out = a0 * b0
+    for a, b in rest:
+        out = out + a * b
+    return out
+
+
+def _pairwise_sum(rows):
+    """``(P, N) -> (1, N)``: rows ``2i`` and ``2i + 1`` added, level after level.
+
+    At each level an odd last row is carried to the next. The order of the adds is
+    fixed, so qkernels can reproduce the sum exactly (XLA's dot or reduce would choose
+    its own), and in that order the partial rows are consumed first to last, so a
+    kernel reads the weight front to back.
+    """
+    while rows.shape[0] > 1:
+        p = rows.shape[0]
+        h = p // 2
+        pairs = rows[: 2 * h].reshape(h, 2, rows.shape[1])
+        half = pairs[:, 0] + pairs[:, 1]
+        rows = jnp.concatenate([half, rows[2 * h :]], 0) if p % 2 else half
+    return rows
+
+
+_native_enabled = os.environ.get("QCORE_NATIVE_KERNELS", "1") != "0"
+
+
+def native_kernels_used() -> bool:
+    """Whether a product traced now would call qkernels (installed and not turned off).
+
+    Returns:
+        True if the ``qkernels`` package is importable and neither
+        ``QCORE_NATIVE_KERNELS=0`` nor :func:`native_kernels` turned it off.
+
+    Example:
+        >>> from qcore.ops import kernels
+        >>> with kernels.native_kernels(False):
+        ...     kernels.native_kernels_used()
+        False
+    """
+    return _native_kernels() is not None
+
+
+def _native_kernels():
+    """The ``qkernels`` module if it is installed and enabled, else None (pure XLA)."""
+    return _qkernels() if _native_enabled else None
+
+
+@functools.cache
+def _qkernels():
+    """The ``qkernels`` module, or None if it is not installed (looked up once)."""
+    try:
+        import qkernels  # pyright: ignore[reportMissingImports]
+    except ImportError:
+        return None
+    return qkernels
+
+
+@contextlib.contextmanager
+def native_kernels(enabled: bool):
+    """Use (or bypass) the optional ``qkernels`` package while tracing in this block.
+
+    qcore calls qkernels' native kernels where they apply whenever the package is
+    installed; ``QCORE_NATIVE_KERNELS=0`` in the environment turns them off for the
+    process. Both give the same numbers bit for bit, so this only changes speed. The
+    choice is made when a function is traced: a function jitted and traced before the
+    block keeps the path it was traced with.
+
+    Args:
+        enabled: False to trace with the pure-XLA formulation even where qkernels is
+            installed; True to use qkernels where it is installed.
+
+    Yields:
+        None.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from qcore.ops import kernels
+        >>> x, w = jnp.ones((1, 4)), jnp.full((4, 2), 3, jnp.int8)
+        >>> with kernels.native_kernels(False):
+        ...     kernels.int8_weight_only(x, w, jnp.ones((1, 2)), layout="kn")
+        Array([[12., 12.]], dtype=float32)
+    """
+    global _native_enabled
+    before, _native_enabled = _native_enabled, enabled
+    try:
+        yield
+    finally:
+        _native_enabled = before
 
 
 def _pick_block(total, target):
@@ -166,19 +274,20 @@ def int8_weight_only(
     # ---- (K, N) fallback
     n = w_codes.shape[1]
     if m == 1 and block is None:
-        # one multi-threaded loop fusion: P = K/bk partial rows, each the python-unrolled sum of
-        # bk (x[k] * float(w[k, :])) terms over static strided slices (vectorised along N), then
-        # a tiny f32 GEMV sums the P rows. Writes no weight-size temporary. (jnp.sum over the
-        # major axis instead would hit XLA:CPU's pathological column-walk reduce: seconds.)
         # bk: the largest divisor of K up to 16 (16 for any K a multiple of 16).
         bk = max(d for d in range(1, 17) if k % d == 0)
+        native = _native_kernels()
+        if native is not None:
+            return native.int8_kn_batch1(x, w_codes, w_scale, bk)
+        # one multi-threaded loop fusion: P = K/bk partial rows, each the python-unrolled sum of
+        # bk (x[k] * float(w[k, :])) terms over static strided slices (vectorised along N), then
+        # a pairwise tree of adds sums the P rows. Writes no weight-size temporary. (jnp.sum over
+        # the major axis instead would hit XLA:CPU's pathological column-walk reduce: seconds.)
         p_rows = k // bk
         w3 = w_codes.reshape(p_rows, bk, n)
         x3 = x.astype(f32).reshape(p_rows, bk)
-        out1 = x3[:, 0, None] * w3[:, 0].astype(f32)
-        for j in range(1, bk):
-            out1 = out1 + x3[:, j, None] * w3[:, j].astype(f32)
-        return (jnp.ones((1, p_rows), f32) @ out1) * w_scale
+        terms = [(x3[:, j, None], w3[:, j].astype(f32)) for j in range(bk)]
+        return _pairwise_sum(_sum_of_products(terms)) * w_scale
     # scan over K blocks, accumulate in f32
     cdt = bf16 if (precision == "bf16" and m > 1) else f32  # M=1 dots must stay f32 (see top)
     bk = block or _pick_block(k, 512 if m == 1 else 256)
@@ -232,7 +341,11 @@ def int4_packed_weight_only(
         if m == 1:
             # bk packed rows per partial sum must divide K/2 and each group's K/2.
             span = k // 2 if group_size is None else math.gcd(k // 2, group_size // 2)
-            return _int4_kn_m1(x, w_packed, w_scale, group_size, block or _pick_block(span, 8))
+            bk = block or _pick_block(span, 8)
+            native = _native_kernels() if w_scale.shape[0] == 1 else None
+            if native is not None:  # (qkernels has no group scales)
+                return native.int4_kn_batch1(x, w_packed, w_scale, bk)
+            return _int4_kn_m1(x, w_packed, w_scale, group_size, bk)
         return _int4_kn(x, w_packed, w_scale, group_size, precision, block)
     n = w_packed.shape[0]
     grouped = group_size is not None and w_scale.shape[0] > 1
@@ -286,19 +399,71 @@ def int4_packed_weight_only(
     return ys.reshape(n, -1)[:, :m].T
 
 
+def codebook4_packed_weight_only(x, w_packed, w_scale, levels, *, group_size=None, block=None):
+    """``x @ (levels[codes] * scale)`` for one activation row, 4-bit codebook codes (nf4).
+
+    ``w_packed`` is ``(K/2, N)`` uint8 (qcore's packing along K: byte row ``i`` holds
+    the level indices of K rows ``2i``, low nibble, and ``2i + 1``, high nibble). The
+    same loop fusion as int4 at batch 1 (:func:`int4_packed_weight_only`), with each
+    nibble looked up in ``levels`` by a tree of selects on its four bits inside the
+    fusion, where the general path gathers the whole weight (``jnp.take``) before a
+    float dot (5.2× slower on the Flax PTQ stack: ``benchmarks/README.md``).
+
+    Args:
+        x: ``(1, K)`` activations.
+        w_packed: ``(K/2, N)`` packed level indices.
+        w_scale: ``(1, N)`` per-column scales or ``(K // group_size, N)`` group scales.
+        levels: The 16 levels (a tuple of floats, static).
+        group_size: K rows per group scale, or None.
+        block: Packed rows per partial row (default: the largest power of two up to 8
+            dividing K/2 and each group's K/2).
+
+    Returns:
+        ``(1, N)`` float32.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from qcore.ops import kernels
+        >>> levels = tuple(float(v) for v in range(-8, 8))  # a codebook of 16 levels
+        >>> w = jnp.full((2, 3), 0x9F, jnp.uint8)  # low nibble 15 -> 7.0, high 9 -> 1.0
+        >>> kernels.codebook4_packed_weight_only(jnp.ones((1, 4)), w, jnp.ones((1, 3)), levels)
+        Array([[16., 16., 16.]], dtype=float32)
+    """
+    k = x.shape[1]
+    span = k // 2 if group_size is None else math.gcd(k // 2, group_size // 2)
+    bk = block or _pick_block(span, 8)
+    x = x.astype(f32)
+    native = _native_kernels() if w_scale.shape[0] == 1 else None
+    if native is not None:  # (qkernels has no group scales)
+        return native.codebook4_kn_batch1(x, w_packed, w_scale, bk, levels)
+    return _int4_kn_m1(x, w_packed, w_scale, group_size, bk, levels)
+
+
+def _lookup4(index, levels):
+    """``levels[index]`` for int32 indices in 0..15, as selects on the index's bits."""
+    values = [jnp.float32(v) for v in levels]
+    for bit in range(4):
+        on = ((index >> bit) & 1) == 1
+        values = [
+            lax.select(on, jnp.full(index.shape, hi, f32), jnp.full(index.shape, lo, f32))
+            for lo, hi in zip(values[0::2], values[1::2], strict=True)
+        ]
+    return values[0]
+
+
 def _nibbles(b):
     """Signed low and high nibbles of uint8 bytes, as int32 (codes 2i and 2i + 1)."""
     v = b.astype(i32)
     return ((v & 15) ^ 8) - 8, ((v >> 4) ^ 8) - 8
 
 
-def _int4_kn_m1(x, w_packed, w_scale, group_size, bk):
-    """(K/2, N) packed int4 at M = 1, as one multi-threaded loop fusion.
+def _int4_kn_m1(x, w_packed, w_scale, group_size, bk, levels=None):
+    """(K/2, N) packed int4 (or 4-bit codebook, ``levels``) at M = 1, as one loop fusion.
 
     It computes P = K/(2*bk) partial rows
     out1[p, n] = sum_{j<bk} x[2(p*bk+j)] * lo[p*bk+j, n] + x[2(p*bk+j)+1] * hi[p*bk+j, n]
     (python-unrolled FMAs over static strided slices, vectorised along N), group scales are
-    applied to these partials, and a tiny f32 GEMV (ones @ out1) sums the P rows. No weight-size
+    applied to these partials, and a pairwise tree of adds sums the P rows. No weight-size
     temporary is ever written. (A reduce over the major axis would be pathologically slow in
     XLA:CPU; the unrolled form is not.)
     """
@@ -311,14 +476,19 @@ def _int4_kn_m1(x, w_packed, w_scale, group_size, bk):
     # 4 chained 4096x4096 layers went from 6 to 17 ms).
     q = w_packed.reshape(p_rows, bk, n)
     x3 = x.reshape(p_rows, bk, 2)
-    out1 = jnp.zeros((p_rows, n), f32)
+    terms = []
     for j in range(bk):
-        lo, hi = _nibbles(q[:, j])
-        out1 = out1 + x3[:, j, 0, None] * lo.astype(f32) + x3[:, j, 1, None] * hi.astype(f32)
+        if levels is None:
+            lo, hi = (v.astype(f32) for v in _nibbles(q[:, j]))
+        else:  # a 4-bit codebook: the nibbles index `levels`
+            v = q[:, j].astype(i32)
+            lo, hi = _lookup4(v & 15, levels), _lookup4(v >> 4, levels)
+        terms += [(x3[:, j, 0, None], lo), (x3[:, j, 1, None], hi)]
+    out1 = _sum_of_products(terms)
     grouped = group_size is not None and w_scale.shape[0] > 1
     if grouped:
         out1 = out1 * numerics.repeat(w_scale, p_rows // w_scale.shape[0], 0)
-    y = jnp.ones((1, p_rows), f32) @ out1
+    y = _pairwise_sum(out1)
     return y if grouped else y * w_scale
 
 
@@ -407,6 +577,12 @@ def w8a8(x_codes, x_scale, w_codes, w_scale, *, layout="nk", block=None):
 # ----------------------------------------------------------------------------------------------
 # dispatch from qcore.dot_general
 # ----------------------------------------------------------------------------------------------
+def _codebook4(q) -> bool:
+    """Whether a QArray holds 4-bit codebook indices (nf4) packed two per byte."""
+    qt = q.qtype
+    return qt.kind == "codebook" and qt.bits == 4 and len(qt.codebook or ()) == 16
+
+
 def _signed_int8_codes(q) -> bool:
     qt = q.qtype
     return qt.kind == "int" and qt.signed and qt.bits <= 8 and q.packing is None
@@ -470,7 +646,8 @@ def fast_dot_general(lhs, rhs, dims, precision):
     (weight-only) or a symmetric int8-coded QArray with one scale per row (w8a8). The
     weight may be stored (K, N) ("kn") or (N, K) ("nk", faster: see the module
     docstring); a weight with more axes qualifies with one scale per output element
-    (see ``_matrix_view``).
+    (see ``_matrix_view``). A 4-bit codebook weight (nf4) packed along K qualifies
+    stored (K, N) with one activation row (:func:`codebook4_packed_weight_only`).
     """
     from qcore.qarray import QArray  # local: kernels is imported by qarray users
 
@@ -498,6 +675,18 @@ def fast_dot_general(lhs, rhs, dims, precision):
     scale = (s if layout == "kn" else s.T).astype(f32)  # (groups, N)
     packing = rhs.packing
     packed4 = packing is not None and rhs.qtype.name == "int4"
+    if packing is not None and _codebook4(rhs) and not isinstance(lhs, QArray):
+        # 4-bit codebooks (nf4): one activation row and a (K/2, N) weight only.
+        m = math.prod(lhs.shape[: lhs.ndim - c])
+        if not isinstance(m, int) or m != 1 or layout != "kn" or packing.axis % 2 != 0:
+            return None
+        if k % 2 or (k // groups) % 2:
+            return None
+        group_size = k // groups if groups > 1 else None
+        y = codebook4_packed_weight_only(
+            lhs.reshape(1, k), codes, scale, rhs.qtype.codebook, group_size=group_size
+        )
+        return y.reshape(*lhs.shape[: lhs.ndim - c], *free)
     if packing is not None:
         if not packed4 or packing.axis % 2 != k_axis or k % 2 or (k // groups) % 2:
             return None  # a byte's two codes must share a scale row

@@ -1,0 +1,420 @@
+// Batch-1 weight-only products with a (K, N) weight for XLA:CPU, as XLA FFI handlers.
+//
+// Each handler computes, bit for bit, the value of the pure-XLA formulation in
+// qcore/ops/kernels.py that it replaces (qcore falls back to that formulation when
+// this library is missing): the same float operations on the same operands in the
+// same order, with fused multiply-adds exactly where XLA:CPU's code generator emits
+// them. What that order is, and why, is written beside each function and in
+// qcore.ops.kernels. The speed comes from keeping each partial row's sums in
+// registers, from summing the partial rows depth first in cache (XLA writes them all
+// to a temporary first), from threads that each read one contiguous part of the
+// weight, and from prefetching the next partial row's weight rows.
+//
+// Built with -ffp-contract=off: every fused multiply-add below is written out.
+
+#include <Python.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int64_t kStrip = 128;  // columns summed in registers at a time
+
+// ------------------------------------------------------------------------------------
+// The partial rows. For the weight rows k = p * bk + j (j < bk) of partial row p,
+//   o = x[k0] * w[k0] + x[k1] * w[k1] + ... + x[k_{bk-1}] * w[k_{bk-1}]
+// evaluated as XLA:CPU evaluates that expression: the first add fuses its left
+// product, o = fma(x0, w0, x1 * w1); every later add fuses the new product,
+// o = fma(xj, wj, o). One partial row has one term when bk == 1. For packed int4 the
+// terms of packed row r are (x[2r], low nibble) then (x[2r + 1], high nibble).
+// ------------------------------------------------------------------------------------
+
+// What the weight's bytes hold: int8 codes, or two 4-bit codes per byte (K rows 2i
+// and 2i + 1 of the column, low nibble first): signed int4 values, or indices into a
+// 16-level codebook (nf4).
+enum class Codes { kInt8, kInt4, kCodebook4 };
+
+struct Operands {
+  const float* x;       // (K,) activations
+  const uint8_t* w;     // (K, N) int8 codes or (K/2, N) packed 4-bit codes
+  int64_t n;            // columns
+  int64_t bk;           // weight rows (4-bit: packed rows) per partial row
+  const float* levels;  // the 16 codebook levels (kCodebook4), else null
+};
+
+// The value of a 4-bit code.
+template <Codes kCodes>
+inline float Nibble(const Operands& a, int code) {
+  if (kCodes == Codes::kCodebook4) return a.levels[code];
+  return static_cast<float>((code ^ 8) - 8);
+}
+
+// Term t of partial row p in column c, as (activation, weight) floats.
+template <Codes kCodes>
+inline void Term(const Operands& a, int64_t p, int64_t t, int64_t c, float* xv, float* wv) {
+  if (kCodes != Codes::kInt8) {
+    int64_t r = p * a.bk + t / 2;
+    uint8_t b = a.w[r * a.n + c];
+    *xv = a.x[2 * r + (t % 2)];
+    *wv = Nibble<kCodes>(a, t % 2 ? b >> 4 : b & 15);
+  } else {
+    int64_t r = p * a.bk + t;
+    *xv = a.x[r];
+    *wv = static_cast<float>(static_cast<int8_t>(a.w[r * a.n + c]));
+  }
+}
+
+// Partial row p for columns [c0, c0 + width), portable code.
+template <Codes kCodes>
+void PartialScalar(const Operands& a, int64_t p, int64_t c0, int64_t width, float* out) {
+  const int64_t terms = kCodes != Codes::kInt8 ? 2 * a.bk : a.bk;
+  for (int64_t c = c0; c < c0 + width; ++c) {
+    float xv, wv, o;
+    Term<kCodes>(a, p, 0, c, &xv, &wv);
+    if (terms == 1) {
+      o = xv * wv;
+    } else {
+      float x1, w1;
+      Term<kCodes>(a, p, 1, c, &x1, &w1);
+      o = std::fma(xv, wv, x1 * w1);
+      for (int64_t t = 2; t < terms; ++t) {
+        Term<kCodes>(a, p, t, c, &xv, &wv);
+        o = std::fma(xv, wv, o);
+      }
+    }
+    out[c - c0] = o;
+  }
+}
+
+#if defined(__x86_64__)
+__attribute__((target("avx2,fma"))) inline __m256 Int8x8(const uint8_t* p) {
+  __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+}
+
+// levels[i] for eight indices in 0..15: two 8-entry permutes, chosen by bit 3.
+__attribute__((target("avx2,fma"))) inline __m256 Lookup(__m256i i, __m256 table_lo,
+                                                          __m256 table_hi) {
+  __m256 upper = _mm256_castsi256_ps(_mm256_slli_epi32(i, 28));  // bit 3 -> sign bit
+  return _mm256_blendv_ps(_mm256_permutevar8x32_ps(table_lo, i),
+                          _mm256_permutevar8x32_ps(table_hi, i), upper);
+}
+
+// The values of the low and high nibbles of eight bytes, as floats: signed int4
+// (shifts), or codebook levels (two 8-entry permutes, chosen by the index's bit 3).
+template <Codes kCodes>
+__attribute__((target("avx2,fma"))) inline void Nibbles8(const uint8_t* p, __m256 table_lo,
+                                                          __m256 table_hi, __m256* lo,
+                                                          __m256* hi) {
+  __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  if (kCodes == Codes::kInt4) {
+    *lo = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(v, 28), 28));
+    *hi = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(v, 24), 28));
+    return;
+  }
+  *lo = Lookup(_mm256_and_si256(v, _mm256_set1_epi32(15)), table_lo, table_hi);
+  *hi = Lookup(_mm256_srli_epi32(v, 4), table_lo, table_hi);
+}
+
+// Partial row p over kStrip columns from c0, with AVX2 + FMA, the sums in registers:
+// kStrip / 8 independent accumulators hide the FMA latency (half as many left it
+// exposed in scratch measurements).
+// `prefetch` (may be null): `lines` cache lines to ask for, from the next partial row's
+// weight block, so that its reads overlap this row's arithmetic.
+template <Codes kCodes>
+__attribute__((target("avx2,fma"))) void PartialAvx2(const Operands& a, int64_t p,
+                                                      int64_t c0, float* out,
+                                                      const uint8_t* prefetch, int64_t lines) {
+  constexpr int kV = kStrip / 8;
+  const int64_t n = a.n, bk = a.bk;
+  for (int64_t q = 0; prefetch != nullptr && q < lines; ++q)
+    _mm_prefetch(reinterpret_cast<const char*>(prefetch + 64 * q), _MM_HINT_T0);
+  __m256 o[kV];
+  if (kCodes == Codes::kInt8) {
+    const uint8_t* r0 = a.w + (p * bk) * n + c0;
+    __m256 x0 = _mm256_set1_ps(a.x[p * bk]);
+    if (bk == 1) {
+      for (int v = 0; v < kV; ++v) o[v] = _mm256_mul_ps(x0, Int8x8(r0 + 8 * v));
+    } else {
+      __m256 x1 = _mm256_set1_ps(a.x[p * bk + 1]);
+      for (int v = 0; v < kV; ++v)
+        o[v] = _mm256_fmadd_ps(x0, Int8x8(r0 + 8 * v), _mm256_mul_ps(x1, Int8x8(r0 + n + 8 * v)));
+      for (int64_t j = 2; j < bk; ++j) {
+        __m256 xj = _mm256_set1_ps(a.x[p * bk + j]);
+        const uint8_t* rj = r0 + j * n;
+        for (int v = 0; v < kV; ++v) o[v] = _mm256_fmadd_ps(xj, Int8x8(rj + 8 * v), o[v]);
+      }
+    }
+  } else {
+    __m256 table_lo = _mm256_setzero_ps(), table_hi = _mm256_setzero_ps();
+    if (kCodes == Codes::kCodebook4) {
+      table_lo = _mm256_loadu_ps(a.levels);
+      table_hi = _mm256_loadu_ps(a.levels + 8);
+    }
+    for (int64_t j = 0; j < bk; ++j) {
+      const int64_t r = p * bk + j;
+      const uint8_t* rj = a.w + r * n + c0;
+      __m256 xl = _mm256_set1_ps(a.x[2 * r]);
+      __m256 xh = _mm256_set1_ps(a.x[2 * r + 1]);
+      for (int v = 0; v < kV; ++v) {
+        __m256 lo, hi;
+        Nibbles8<kCodes>(rj + 8 * v, table_lo, table_hi, &lo, &hi);
+        o[v] = j == 0 ? _mm256_fmadd_ps(xl, lo, _mm256_mul_ps(xh, hi))
+                      : _mm256_fmadd_ps(xh, hi, _mm256_fmadd_ps(xl, lo, o[v]));
+      }
+    }
+  }
+  for (int v = 0; v < kV; ++v) _mm256_storeu_ps(out + 8 * v, o[v]);
+}
+
+bool HasAvx2Fma() {
+  static const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return ok;
+}
+#else
+bool HasAvx2Fma() { return false; }
+#endif
+
+// Partial row p over columns [0, n), prefetching partial row `next` (or none if < 0).
+template <Codes kCodes>
+void Partial(const Operands& a, int64_t p, int64_t next, bool simd, float* out) {
+  int64_t c = 0;
+#if defined(__x86_64__)
+  if (simd) {
+    const int64_t strips = a.n / kStrip;
+    const int64_t block = a.bk * a.n;  // bytes of one partial row's weight rows
+    const int64_t lines = strips ? (block / 64 + strips - 1) / strips : 0;
+    for (int64_t st = 0; st < strips; ++st, c += kStrip) {
+      const uint8_t* pf = nullptr;
+      int64_t todo = 0;
+      if (next >= 0) {
+        todo = std::max<int64_t>(0, std::min(lines, block / 64 - st * lines));
+        pf = a.w + next * block + st * lines * 64;
+      }
+      PartialAvx2<kCodes>(a, p, c, out + c, pf, todo);
+    }
+  }
+#endif
+  PartialScalar<kCodes>(a, p, c, a.n - c, out + c);
+}
+
+// The pairwise tree of qcore.ops.kernels._pairwise_sum: at each level with r rows,
+// row i < r // 2 becomes row 2i + row 2i + 1, and an odd last row is carried.
+// levels[l] is the number of rows at level l (levels[0] = P partial rows, the last 1).
+// Nodes are evaluated depth first, so only one row per level is kept and the partial
+// rows are computed first to last: the weight is read front to back.
+struct Node {
+  int level;
+  int64_t i;
+};
+
+struct Tree {
+  std::vector<int64_t> levels;
+  explicit Tree(int64_t rows) {
+    levels.push_back(rows);
+    while (rows > 1) levels.push_back(rows = rows / 2 + rows % 2);
+  }
+  Node Root() const { return {static_cast<int>(levels.size()) - 1, 0}; }
+  // The children of a node: none (a partial row), one (a carried row) or two.
+  int Children(Node v, Node* c) const {
+    if (v.level == 0) return 0;
+    const int64_t h = levels[v.level - 1] / 2;
+    if (v.i == h) {
+      c[0] = {v.level - 1, 2 * h};
+      return 1;
+    }
+    c[0] = {v.level - 1, 2 * v.i};
+    c[1] = {v.level - 1, 2 * v.i + 1};
+    return 2;
+  }
+  // The partial rows under v, in the order EvalNode computes them.
+  void Leaves(Node v, std::vector<int64_t>* out) const {
+    Node c[2];
+    int k = Children(v, c);
+    if (k == 0) out->push_back(v.i);
+    for (int j = 0; j < k; ++j) Leaves(c[j], out);
+  }
+  // The nodes `depth` levels below v (fewer where the tree ends or a row is carried).
+  void Frontier(Node v, int depth, std::vector<Node>* out) const {
+    Node c[2];
+    int k = depth > 0 ? Children(v, c) : 0;
+    if (k == 0) out->push_back(v);
+    for (int j = 0; j < k; ++j) Frontier(c[j], depth - 1, out);
+  }
+};
+
+// Evaluates node v into out (n floats). `known(v)` returns a row already computed for
+// v, or null; `leaf(p, out)` computes partial row p.
+template <typename Known, typename Leaf>
+void EvalNode(const Tree& tree, Node v, int64_t n, float* out,
+              std::vector<std::vector<float>>& scratch, const Known& known, const Leaf& leaf) {
+  if (const float* row = known(v)) {
+    std::memcpy(out, row, n * sizeof(float));
+    return;
+  }
+  Node c[2];
+  int k = tree.Children(v, c);
+  if (k == 0) return leaf(v.i, out);
+  EvalNode(tree, c[0], n, out, scratch, known, leaf);
+  if (k == 1) return;
+  float* right = scratch[v.level].data();
+  EvalNode(tree, c[1], n, right, scratch, known, leaf);
+  for (int64_t j = 0; j < n; ++j) out[j] = out[j] + right[j];
+}
+
+// Work split: items handed out through an atomic counter. The calling thread takes
+// items too and waits only for items another thread has started, so a pool too busy
+// to run the scheduled tasks never blocks the call.
+struct Work {
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+  int64_t total = 0;
+};
+
+template <typename F>
+void ParallelItems(ffi::ThreadPool& pool, int64_t items, F body) {
+  auto work = std::make_shared<Work>();
+  work->total = items;
+  auto run = [work, body]() {
+    for (int64_t s; (s = work->next.fetch_add(1)) < work->total;) {
+      body(s);
+      work->done.fetch_add(1, std::memory_order_release);
+    }
+  };
+  for (int64_t i = 1; i < items; ++i) {
+    auto task = run;  // Schedule takes ownership of a copy
+    pool.Schedule(std::move(task));
+  }
+  run();
+  while (work->done.load(std::memory_order_acquire) < items) std::this_thread::yield();
+}
+
+// y[0, n] = pairwise_sum_p(partial[p, n]) * scale[n]. The threads split the tree, not
+// the columns: each evaluates the subtrees below one node near the root over all
+// columns, so it reads whole contiguous blocks of weight rows (splitting the columns
+// made every thread read short pieces of every row: about 60 % of the speed).
+template <Codes kCodes>
+ffi::Error KnBatch1(ffi::ThreadPool pool, ffi::AnyBuffer x_buf, ffi::AnyBuffer w_buf,
+                    ffi::Buffer<ffi::F32> scale, ffi::Result<ffi::Buffer<ffi::F32>> y,
+                    int64_t bk, const float* levels) {
+  auto wd = w_buf.dimensions();
+  auto sd = scale.dimensions();
+  if (wd.size() != 2 || sd.size() != 2 || x_buf.element_type() != ffi::F32)
+    return ffi::Error::InvalidArgument("qkernels: expected x f32, w (rows, N), scale (1, N)");
+  const int64_t k_rows = wd[0], n = wd[1];
+  const int64_t k = kCodes != Codes::kInt8 ? 2 * k_rows : k_rows;
+  if (static_cast<int64_t>(x_buf.element_count()) != k || sd[1] != n || bk < 1 ||
+      sd[0] != 1 || k_rows % bk || y->element_count() != static_cast<size_t>(n))
+    return ffi::Error::InvalidArgument("qkernels: inconsistent shapes");
+  const Operands a{static_cast<const float*>(x_buf.untyped_data()),
+                   static_cast<const uint8_t*>(w_buf.untyped_data()), n, bk, levels};
+  const float* s = scale.typed_data();
+  float* out = y->typed_data();
+  const bool simd = HasAvx2Fma();
+  const Tree tree(k_rows / bk);
+  int depth = 0;
+  while ((int64_t{1} << depth) < pool.num_threads()) ++depth;
+  std::vector<Node> items;
+  tree.Frontier(tree.Root(), depth, &items);
+  std::vector<std::vector<float>> rows(items.size(), std::vector<float>(n));
+  auto none = [](Node) -> const float* { return nullptr; };
+  ParallelItems(pool, static_cast<int64_t>(items.size()), [&](int64_t item) {
+    std::vector<int64_t> order;
+    tree.Leaves(items[item], &order);
+    size_t cursor = 0;
+    auto leaf = [&](int64_t p, float* dst) {
+      ++cursor;
+      Partial<kCodes>(a, p, cursor < order.size() ? order[cursor] : -1, simd, dst);
+    };
+    std::vector<std::vector<float>> scratch(tree.levels.size(), std::vector<float>(n));
+    EvalNode(tree, items[item], n, rows[item].data(), scratch, none, leaf);
+  });
+  auto known = [&](Node v) -> const float* {
+    for (size_t j = 0; j < items.size(); ++j)
+      if (items[j].level == v.level && items[j].i == v.i) return rows[j].data();
+    return nullptr;
+  };
+  std::vector<std::vector<float>> scratch(tree.levels.size(), std::vector<float>(n));
+  std::vector<float> sum(n);
+  EvalNode(tree, tree.Root(), n, sum.data(), scratch, known, [](int64_t, float*) {});
+  for (int64_t c = 0; c < n; ++c) out[c] = sum[c] * s[c];
+  return ffi::Error::Success();
+}
+
+ffi::Error Int8KnBatch1(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
+                        ffi::Buffer<ffi::F32> scale, ffi::Result<ffi::Buffer<ffi::F32>> y,
+                        int64_t bk) {
+  if (w.element_type() != ffi::S8) return ffi::Error::InvalidArgument("qkernels: w must be int8");
+  return KnBatch1<Codes::kInt8>(pool, x, w, scale, y, bk, nullptr);
+}
+
+ffi::Error Int4KnBatch1(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
+                        ffi::Buffer<ffi::F32> scale, ffi::Result<ffi::Buffer<ffi::F32>> y,
+                        int64_t bk) {
+  if (w.element_type() != ffi::U8) return ffi::Error::InvalidArgument("qkernels: w must be uint8");
+  return KnBatch1<Codes::kInt4>(pool, x, w, scale, y, bk, nullptr);
+}
+
+ffi::Error Codebook4KnBatch1(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
+                             ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::F32> levels,
+                             ffi::Result<ffi::Buffer<ffi::F32>> y, int64_t bk) {
+  if (w.element_type() != ffi::U8) return ffi::Error::InvalidArgument("qkernels: w must be uint8");
+  if (levels.element_count() != 16)
+    return ffi::Error::InvalidArgument("qkernels: a 4-bit codebook has 16 levels");
+  return KnBatch1<Codes::kCodebook4>(pool, x, w, scale, y, bk, levels.typed_data());
+}
+
+}  // namespace
+
+#define QK_BIND(...)                                                                   \
+  ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>() \
+      .Arg<ffi::Buffer<ffi::F32>>() __VA_ARGS__.Ret<ffi::Buffer<ffi::F32>>()            \
+      .Attr<int64_t>("bk")
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(QkInt8KnBatch1, Int8KnBatch1, QK_BIND());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(QkInt4KnBatch1, Int4KnBatch1, QK_BIND());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(QkCodebook4KnBatch1, Codebook4KnBatch1,
+                              QK_BIND(.Arg<ffi::Buffer<ffi::F32>>()));
+
+// ---- Python module: the handlers as capsules, and whether the SIMD code runs here.
+static PyObject* Handlers(PyObject*, PyObject*) {
+  const std::pair<const char*, void*> handlers[] = {
+      {"qkernels_int8_kn_batch1", reinterpret_cast<void*>(QkInt8KnBatch1)},
+      {"qkernels_int4_kn_batch1", reinterpret_cast<void*>(QkInt4KnBatch1)},
+      {"qkernels_codebook4_kn_batch1", reinterpret_cast<void*>(QkCodebook4KnBatch1)},
+  };
+  PyObject* d = PyDict_New();
+  for (const auto& [name, fn] : handlers) {
+    PyObject* capsule = PyCapsule_New(fn, nullptr, nullptr);
+    PyDict_SetItemString(d, name, capsule);
+    Py_DECREF(capsule);
+  }
+  return d;
+}
+
+static PyObject* Simd(PyObject*, PyObject*) { return PyBool_FromLong(HasAvx2Fma()); }
+
+static PyMethodDef kMethods[] = {
+    {"handlers", Handlers, METH_NOARGS, "FFI handler capsules by target name."},
+    {"simd", Simd, METH_NOARGS, "Whether this CPU runs the AVX2 + FMA code."},
+    {nullptr, nullptr, 0, nullptr}};
+
+static PyModuleDef kModule = {PyModuleDef_HEAD_INIT, "_native", nullptr, -1, kMethods};
+
+PyMODINIT_FUNC PyInit__native(void) { return PyModule_Create(&kModule); }

@@ -1,0 +1,190 @@
+"""qkernels' kernels give qcore's pure-XLA values bit for bit, and are what qcore calls.
+
+Each case traces the same qcore function twice, with the native kernels bypassed
+(``qcore.ops.kernels.native_kernels(False)``) and used, and compares the outputs
+with ``np.testing.assert_array_equal``; a float64 product checks that both are the
+product at all. Shapes cover partial rows of 16 and of fewer weight rows (K with
+small divisors), an odd number of partial rows (the halving tree's carried row),
+column counts that are not a multiple of 8, group scales (which stay on the XLA
+path: the check is that nothing changes), and
+layers chained inside one jitted function, as a model runs them.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import qcore
+import qkernels
+from qcore import qtypes
+from qcore.ops import kernels
+
+RNG = np.random.default_rng(7)
+
+
+def _int8(k, n):
+    w = jnp.asarray(RNG.integers(-128, 128, (k, n)), jnp.int8)
+    s = jnp.asarray(RNG.random((1, n)) + 0.1, jnp.float32)
+    return w, s, lambda x, w, s: kernels.int8_weight_only(x, w, s, layout="kn")
+
+
+def _int4(k, n, groups):
+    w = jnp.asarray(RNG.integers(0, 256, (k // 2, n)), jnp.uint8)
+    s = jnp.asarray(RNG.random((groups, n)) + 0.1, jnp.float32)
+    group_size = k // groups if groups > 1 else None
+
+    def f(x, w, s):
+        return kernels.int4_packed_weight_only(x, w, s, layout="kn", group_size=group_size)
+
+    return w, s, f
+
+
+NF4 = qtypes.get("nf4").codebook
+
+
+def _nf4(k, n, groups):
+    w = jnp.asarray(RNG.integers(0, 256, (k // 2, n)), jnp.uint8)
+    s = jnp.asarray(RNG.random((groups, n)) + 0.1, jnp.float32)
+    group_size = k // groups if groups > 1 else None
+
+    def f(x, w, s):
+        return kernels.codebook4_packed_weight_only(x, w, s, NF4, group_size=group_size)
+
+    return w, s, f
+
+
+def _layer(kind, k, n, groups):
+    return {"int8": lambda: _int8(k, n), "int4": lambda: _int4(k, n, groups)}.get(
+        kind, lambda: _nf4(k, n, groups)
+    )()
+
+
+def _codes(w, k, kind):
+    """The code values as float64 (K, N), unpacking 4-bit codes (low nibble = even row)."""
+    w = np.asarray(w)
+    if kind == "int8":
+        return w.astype(np.float64)
+    lo, hi = w.astype(np.int64) & 15, w.astype(np.int64) >> 4
+    if kind == "int4":
+        lo, hi = (lo ^ 8) - 8, (hi ^ 8) - 8
+    else:
+        lo, hi = np.asarray(NF4)[lo], np.asarray(NF4)[hi]
+    out = np.empty((k, w.shape[1]))
+    out[0::2], out[1::2] = lo, hi
+    return out
+
+
+def _traced(f, native, *args, calls=None):
+    """``f`` jitted afresh (jit shares traces between wrappers of one function).
+
+    ``calls``: whether the lowering must call a qkernels target (default: ``native``).
+    """
+    with kernels.native_kernels(native):
+        lowered = jax.jit(lambda *a: f(*a)).lower(*args)
+    assert ("qkernels_" in lowered.as_text()) == (native if calls is None else calls)
+    return lowered.compile()
+
+
+def _both(f, *args, calls=True):
+    """``f(*args)`` on the pure-XLA path and with qkernels enabled, as numpy arrays."""
+    xla = np.asarray(_traced(f, False, *args)(*args))
+    return xla, np.asarray(_traced(f, True, *args, calls=calls)(*args))
+
+
+CASES = [
+    ("int8", 4096, 4096, 1),
+    ("int8", 48, 64, 1),  # bk = 16, 3 partial rows (odd: a carried row)
+    ("int8", 7, 130, 1),  # bk = 7, one partial row; 130 columns: a scalar tail
+    ("int8", 384, 1536, 1),  # MiniLM's FFN
+    ("int8", 1536, 384, 1),
+    ("int8", 11008, 256, 1),  # 688 partial rows: carries at several levels
+    ("int4", 4096, 4096, 1),
+    ("int4", 4096, 4096, 32),  # group scales (tiles of 128): qcore keeps its XLA path
+    ("int4", 6, 64, 1),
+    ("int4", 384, 1536, 1),
+    ("int4", 256, 192, 2),
+    ("nf4", 4096, 4096, 1),
+    ("nf4", 4096, 4096, 64),  # tiles of 64 (QLoRA's): the XLA path
+    ("nf4", 6, 64, 1),
+    ("nf4", 384, 1536, 1),
+    ("nf4", 256, 130, 1),
+]
+
+
+@pytest.mark.parametrize(("kind", "k", "n", "groups"), CASES)
+def test_native_equals_xla_bit_for_bit(kind, k, n, groups):
+    w, s, f = _layer(kind, k, n, groups)
+    x = jnp.asarray(RNG.standard_normal((1, k)), jnp.float32)
+    xla, native = _both(f, x, w, s, calls=groups == 1)
+    np.testing.assert_array_equal(native, xla)
+    scale = np.repeat(np.asarray(s, np.float64), k // groups, 0) if groups > 1 else np.asarray(s)
+    ref = np.asarray(x, np.float64) @ (_codes(w, k, kind) * scale)
+    np.testing.assert_allclose(native, ref, rtol=0, atol=1e-5 * np.abs(ref).max())
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4", "nf4"])
+def test_chained_layers_equal_bit_for_bit(kind):
+    """Four layers with relu between them in one jit: fusion around the calls changes nothing."""
+    k = 512
+    layers = [_layer(kind, k, k, 1) for _ in range(4)]
+    f = layers[0][2]
+    params = [(w, s) for w, s, _ in layers]
+
+    def model(x, params):
+        for w, s in params:
+            x = jax.nn.relu(f(x, w, s)) * 0.05
+        return x
+
+    x = jnp.asarray(RNG.standard_normal((1, k)), jnp.float32)
+    xla, native = _both(model, x, params)
+    assert np.abs(xla).max() > 0
+    np.testing.assert_array_equal(native, xla)
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4", "nf4"])
+def test_qcore_dot_general_calls_the_kernel_when_installed(kind):
+    """Through qcore's public product, as qflax's layers call it."""
+    how = {
+        "int8": qcore.HowToQuantize(qtype="int8", channelwise_axes=(1,)),
+        "int4": qcore.HowToQuantize(qtype="int4", channelwise_axes=(1,), pack=True, pack_axis=0),
+        "nf4": qcore.HowToQuantize(qtype="nf4", channelwise_axes=(1,), pack=True, pack_axis=0),
+    }[kind]
+    q = qcore.quantize(jnp.asarray(RNG.standard_normal((64, 32)), jnp.float32), how)
+    x = jnp.asarray(RNG.standard_normal((1, 64)), jnp.float32)
+
+    def f(x, q):
+        return qcore.dot_general(x, q, (((1,), (0,)), ((), ())))
+
+    target = {"int8": "int8", "int4": "int4", "nf4": "codebook4"}[kind]
+    native = _traced(f, True, x, q)
+    assert f"qkernels_{target}_kn_batch1" in native.as_text()
+    np.testing.assert_array_equal(
+        np.asarray(native(x, q)), np.asarray(_traced(f, False, x, q)(x, q))
+    )
+
+
+def test_direct_call_and_simd_flag():
+    x = jnp.arange(4, dtype=jnp.float32)[None]
+    w = jnp.asarray([[1, -2], [3, 4], [-5, 6], [7, -8]], jnp.int8)
+    y = qkernels.int8_kn_batch1(x, w, jnp.asarray([[1.0, 0.5]], jnp.float32), 2)
+    np.testing.assert_array_equal(np.asarray(y), [[3 - 10 + 21, (4 + 12 - 24) * 0.5]])
+    assert isinstance(qkernels.simd(), bool)
+
+
+def test_inconsistent_shapes_raise():
+    x = jnp.ones((1, 8), jnp.float32)
+    w = jnp.ones((6, 4), jnp.int8)
+    with pytest.raises(Exception, match="inconsistent shapes"):
+        jax.block_until_ready(qkernels.int8_kn_batch1(x, w, jnp.ones((1, 4), jnp.float32), 2))
+
+
+def test_public_api():
+    """The names users may rely on (the repository pins the other packages' APIs)."""
+    assert sorted(qkernels.__all__) == [
+        "__version__",
+        "codebook4_kn_batch1",
+        "int4_kn_batch1",
+        "int8_kn_batch1",
+        "simd",
+    ]
