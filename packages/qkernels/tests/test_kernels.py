@@ -172,11 +172,14 @@ def test_direct_call_and_simd_flag():
     assert isinstance(qkernels.simd(), bool)
 
 
-def test_inconsistent_shapes_raise():
+def test_the_handler_checks_shapes_too():
+    """Past the Python checks (called directly), the C++ handler refuses and says why."""
+    from qkernels import _calls
+
     x = jnp.ones((1, 8), jnp.float32)
     w = jnp.ones((6, 4), jnp.int8)
-    with pytest.raises(Exception, match="inconsistent shapes"):
-        jax.block_until_ready(qkernels.int8_kn_batch1(x, w, jnp.ones((1, 4), jnp.float32), 2))
+    with pytest.raises(Exception, match=r"x has 8 elements, w is \(6, 4\)"):
+        jax.block_until_ready(_calls._call("qkernels_int8_kn_batch1", x, w, jnp.ones((1, 4)), 2))
 
 
 def test_public_api():
@@ -188,3 +191,53 @@ def test_public_api():
         "int8_kn_batch1",
         "simd",
     ]
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4", "nf4"])
+def test_gradients_are_those_of_the_xla_path(kind):
+    """jax.grad, jvp and vmap(grad) through a covered product work as without qkernels."""
+    k, n = 64, 32
+    w, s, f = _layer(kind, k, n, 1)
+    x = jnp.asarray(RNG.standard_normal((1, k)), jnp.float32)
+
+    def loss(x, s):
+        return jnp.sum(jnp.sin(f(x, w, s)))
+
+    def grads(native):
+        with kernels.native_kernels(native):
+            g = jax.jit(jax.grad(lambda x, s: loss(x, s), argnums=(0, 1)))(x, s)
+            xs = jnp.stack([x, 2 * x])
+            per_example = jax.jit(jax.vmap(jax.grad(lambda x: loss(x, s))))(xs)
+            _, t = jax.jvp(lambda x: f(x, w, s), (x,), (jnp.ones_like(x),))
+        return [np.asarray(a) for a in (*g, per_example, t)]
+
+    for native, xla in zip(grads(True), grads(False), strict=True):
+        np.testing.assert_allclose(native, xla, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (dict(w=jnp.ones((64, 8), jnp.float32)), "w: float32 array"),
+        (dict(w=jnp.ones((64,), jnp.int8)), "allowed: a 2-D int8 array"),
+        (dict(x=jnp.ones((2, 32))), r"x: shape \(2, 32\); allowed: \(1, 64\)"),
+        (dict(x=jnp.ones((64,))), r"x: shape \(64,\)"),
+        (dict(scale=jnp.ones((8,))), r"scale: shape \(8,\); allowed: \(1, 8\)"),
+        (dict(bk=0), "bk=0; allowed: a positive int dividing w's 64 rows"),
+        (dict(bk=5), "bk=5"),
+        (dict(bk=1.5), "bk=1.5"),
+    ],
+)
+def test_bad_arguments_are_refused_when_traced(args, message):
+    call = dict(x=jnp.ones((1, 64)), w=jnp.ones((64, 8), jnp.int8), scale=jnp.ones((1, 8)), bk=16)
+    call.update(args)
+    with pytest.raises(ValueError, match=message):
+        jax.jit(lambda x, w, s: qkernels.int8_kn_batch1(x, w, s, call["bk"])).lower(
+            call["x"], call["w"], call["scale"]
+        )
+
+
+def test_codebook_needs_sixteen_levels():
+    w = jnp.ones((32, 8), jnp.uint8)
+    with pytest.raises(ValueError, match=r"levels: shape \(15,\); allowed: 16 levels"):
+        qkernels.codebook4_kn_batch1(jnp.ones((1, 64)), w, jnp.ones((1, 8)), 8, NF4[:15])

@@ -24,6 +24,23 @@ def simd() -> bool:
     return bool(_native.simd())
 
 
+def _check(x, w, scale, bk, w_dtype, codes_per_byte: int) -> None:
+    """Raises ValueError naming the argument, its value and what is allowed."""
+    if jnp.dtype(w.dtype) != jnp.dtype(w_dtype) or jnp.ndim(w) != 2:
+        raise ValueError(
+            f"w: {jnp.dtype(w.dtype)} array of shape {tuple(jnp.shape(w))}; allowed: a 2-D "
+            f"{jnp.dtype(w_dtype)} array"
+        )
+    rows, n = w.shape
+    k = rows * codes_per_byte
+    if tuple(jnp.shape(x)) != (1, k):
+        raise ValueError(f"x: shape {tuple(jnp.shape(x))}; allowed: (1, {k}) for w {w.shape}")
+    if tuple(jnp.shape(scale)) != (1, n):
+        raise ValueError(f"scale: shape {tuple(jnp.shape(scale))}; allowed: (1, {n})")
+    if isinstance(bk, bool) or not isinstance(bk, int | np.integer) or bk < 1 or rows % bk:
+        raise ValueError(f"bk={bk!r}; allowed: a positive int dividing w's {rows} rows")
+
+
 def _call(target: str, x, w, scale, bk: int, *extra):
     _registered()
     n = w.shape[1]
@@ -48,7 +65,11 @@ def int8_kn_batch1(x, w, scale, bk: int):
 
     Returns:
         ``(1, N)`` float32.
+
+    Raises:
+        ValueError: If an argument's dtype, shape or value is not the one allowed.
     """
+    _check(x, w, scale, bk, jnp.int8, 1)
     return _call("qkernels_int8_kn_batch1", x, w, scale, bk)
 
 
@@ -68,7 +89,11 @@ def int4_kn_batch1(x, w, scale, bk: int):
 
     Returns:
         ``(1, N)`` float32.
+
+    Raises:
+        ValueError: If an argument's dtype, shape or value is not the one allowed.
     """
+    _check(x, w, scale, bk, jnp.uint8, 2)
     return _call("qkernels_int4_kn_batch1", x, w, scale, bk)
 
 
@@ -87,6 +112,12 @@ def codebook4_kn_batch1(x, w, scale, bk: int, levels):
 
     Returns:
         ``(1, N)`` float32.
+
+    Raises:
+        ValueError: If an argument's dtype, shape or value is not the one allowed.
     """
-    table = jnp.asarray(levels, jnp.float32).reshape(16)
+    _check(x, w, scale, bk, jnp.uint8, 2)
+    table = jnp.asarray(levels, jnp.float32)
+    if table.shape != (16,):
+        raise ValueError(f"levels: shape {table.shape}; allowed: 16 levels")
     return _call("qkernels_codebook4_kn_batch1", x, w, scale, bk, table)

@@ -20,6 +20,7 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <string>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -321,7 +322,12 @@ ffi::Error KnBatch1(ffi::ThreadPool pool, ffi::AnyBuffer x_buf, ffi::AnyBuffer w
   const int64_t k = kCodes != Codes::kInt8 ? 2 * k_rows : k_rows;
   if (static_cast<int64_t>(x_buf.element_count()) != k || sd[1] != n || bk < 1 ||
       sd[0] != 1 || k_rows % bk || y->element_count() != static_cast<size_t>(n))
-    return ffi::Error::InvalidArgument("qkernels: inconsistent shapes");
+    return ffi::Error::InvalidArgument(
+        "qkernels: inconsistent shapes: x has " + std::to_string(x_buf.element_count()) +
+        " elements, w is (" + std::to_string(k_rows) + ", " + std::to_string(n) +
+        "), scale is (" + std::to_string(sd[0]) + ", " + std::to_string(sd[1]) +
+        "), bk is " + std::to_string(bk) + "; allowed: x (1, K), scale (1, N), bk dividing " +
+        "w's rows");
   const Operands a{static_cast<const float*>(x_buf.untyped_data()),
                    static_cast<const uint8_t*>(w_buf.untyped_data()), n, bk, levels};
   const float* s = scale.typed_data();
@@ -415,6 +421,7 @@ static PyMethodDef kMethods[] = {
     {"simd", Simd, METH_NOARGS, "Whether this CPU runs the AVX2 + FMA code."},
     {nullptr, nullptr, 0, nullptr}};
 
-static PyModuleDef kModule = {PyModuleDef_HEAD_INIT, "_native", nullptr, -1, kMethods};
+static PyModuleDef kModule = {PyModuleDef_HEAD_INIT, "_native", nullptr, -1, kMethods,
+                               nullptr, nullptr, nullptr, nullptr};
 
 PyMODINIT_FUNC PyInit__native(void) { return PyModule_Create(&kModule); }

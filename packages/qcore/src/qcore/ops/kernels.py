@@ -160,13 +160,34 @@ def _qkernels():
     return qkernels
 
 
+def _native_call(native, xla, x, w, scale):
+    """``native(x, w, scale)``, differentiated as ``xla``, the formulation it reproduces.
+
+    An FFI call has no derivative of its own; its values are those of ``xla``, so the
+    derivatives are too (``jax.grad``, ``jvp``, ``vmap`` of either, as without
+    qkernels).
+    """
+
+    @jax.custom_jvp
+    def call(x, w, scale):
+        return native(x, w, scale)
+
+    @call.defjvp
+    def call_jvp(primals, tangents):
+        _, tangent = jax.jvp(xla, primals, tangents)
+        return call(*primals), tangent
+
+    return call(x, w, scale)
+
+
 @contextlib.contextmanager
 def native_kernels(enabled: bool):
     """Use (or bypass) the optional ``qkernels`` package while tracing in this block.
 
     qcore calls qkernels' native kernels where they apply whenever the package is
-    installed; ``QCORE_NATIVE_KERNELS=0`` in the environment turns them off for the
-    process. Both give the same numbers bit for bit, so this only changes speed. The
+    installed; ``QCORE_NATIVE_KERNELS=0`` in the environment (read when qcore is
+    imported) turns them off for the process. Both give the same numbers bit for bit,
+    and the same derivatives, so this only changes speed. The
     choice is made when a function is traced: a function jitted and traced before the
     block keeps the path it was traced with.
 
@@ -278,16 +299,14 @@ def int8_weight_only(
         bk = max(d for d in range(1, 17) if k % d == 0)
         native = _native_kernels()
         if native is not None:
-            return native.int8_kn_batch1(x, w_codes, w_scale, bk)
-        # one multi-threaded loop fusion: P = K/bk partial rows, each the python-unrolled sum of
-        # bk (x[k] * float(w[k, :])) terms over static strided slices (vectorised along N), then
-        # a pairwise tree of adds sums the P rows. Writes no weight-size temporary. (jnp.sum over
-        # the major axis instead would hit XLA:CPU's pathological column-walk reduce: seconds.)
-        p_rows = k // bk
-        w3 = w_codes.reshape(p_rows, bk, n)
-        x3 = x.astype(f32).reshape(p_rows, bk)
-        terms = [(x3[:, j, None], w3[:, j].astype(f32)) for j in range(bk)]
-        return _pairwise_sum(_sum_of_products(terms)) * w_scale
+            return _native_call(
+                lambda x, w, s: native.int8_kn_batch1(x, w, s, bk),
+                lambda x, w, s: _int8_kn_m1(x, w, s, bk),
+                x,
+                w_codes,
+                w_scale,
+            )
+        return _int8_kn_m1(x, w_codes, w_scale, bk)
     # scan over K blocks, accumulate in f32
     cdt = bf16 if (precision == "bf16" and m > 1) else f32  # M=1 dots must stay f32 (see top)
     bk = block or _pick_block(k, 512 if m == 1 else 256)
@@ -344,7 +363,13 @@ def int4_packed_weight_only(
             bk = block or _pick_block(span, 8)
             native = _native_kernels() if w_scale.shape[0] == 1 else None
             if native is not None:  # (qkernels has no group scales)
-                return native.int4_kn_batch1(x, w_packed, w_scale, bk)
+                return _native_call(
+                    lambda x, w, s: native.int4_kn_batch1(x, w, s, bk),
+                    lambda x, w, s: _int4_kn_m1(x, w, s, group_size, bk),
+                    x,
+                    w_packed,
+                    w_scale,
+                )
             return _int4_kn_m1(x, w_packed, w_scale, group_size, bk)
         return _int4_kn(x, w_packed, w_scale, group_size, precision, block)
     n = w_packed.shape[0]
@@ -435,7 +460,13 @@ def codebook4_packed_weight_only(x, w_packed, w_scale, levels, *, group_size=Non
     x = x.astype(f32)
     native = _native_kernels() if w_scale.shape[0] == 1 else None
     if native is not None:  # (qkernels has no group scales)
-        return native.codebook4_kn_batch1(x, w_packed, w_scale, bk, levels)
+        return _native_call(
+            lambda x, w, s: native.codebook4_kn_batch1(x, w, s, bk, levels),
+            lambda x, w, s: _int4_kn_m1(x, w, s, group_size, bk, levels),
+            x,
+            w_packed,
+            w_scale,
+        )
     return _int4_kn_m1(x, w_packed, w_scale, group_size, bk, levels)
 
 
@@ -449,6 +480,22 @@ def _lookup4(index, levels):
             for lo, hi in zip(values[0::2], values[1::2], strict=True)
         ]
     return values[0]
+
+
+def _int8_kn_m1(x, w_codes, w_scale, bk):
+    """(K, N) int8 at M = 1, as one multi-threaded loop fusion.
+
+    P = K/bk partial rows, each the python-unrolled sum of bk ``x[k] * float(w[k, :])``
+    terms over static strided slices (vectorised along N), then a pairwise tree of adds
+    sums the P rows. Writes no weight-size temporary. (jnp.sum over the major axis
+    instead would hit XLA:CPU's pathological column-walk reduce: seconds.)
+    """
+    k, n = w_codes.shape
+    p_rows = k // bk
+    w3 = w_codes.reshape(p_rows, bk, n)
+    x3 = x.astype(f32).reshape(p_rows, bk)
+    terms = [(x3[:, j, None], w3[:, j].astype(f32)) for j in range(bk)]
+    return _pairwise_sum(_sum_of_products(terms)) * w_scale
 
 
 def _nibbles(b):
