@@ -297,7 +297,7 @@ def int8_weight_only(
     if m == 1 and block is None:
         # bk: the largest divisor of K up to 16 (16 for any K a multiple of 16).
         bk = max(d for d in range(1, 17) if k % d == 0)
-        native = _native_kernels()
+        native = _native_kernels() if w_codes.dtype == i8 else None  # (its codes are int8)
         if native is not None:
             return _native_call(
                 lambda x, w, s: native.int8_kn_batch1(x, w, s, bk),
