@@ -133,12 +133,16 @@ def models(session: nox.Session) -> None:
 def kernels(session: nox.Session) -> None:
     """Build qkernels (needs a C++17 compiler) and test it against qcore's XLA path; not default.
 
-    Runs qkernels' own tests (bit-for-bit equality with the pure-XLA formulation) and
-    then qcore's kernel tests with the native kernels in use.
+    Runs qkernels' own tests (bit-for-bit equality with the pure-XLA formulation), the
+    gemma package's Transformer decoding at batch 1 with and without it
+    (tests_thirdparty), then qcore's kernel tests with the native kernels in use.
     """
-    session.install(*_editable("qcore"), "packages/qkernels", "pytest", "hypothesis", "scipy")
+    session.install(
+        *_editable("qcore", "qflax"), "packages/qkernels", *MODEL_LIBS, "pytest", "hypothesis"
+    )
+    session.install("scipy")
     session.chdir("packages/qkernels")
-    session.run("pytest", "--doctest-modules", "src", "tests", *session.posargs)
+    session.run("pytest", "--doctest-modules", "src", "tests", "tests_thirdparty", *session.posargs)
     session.chdir("../qcore")
     session.run("pytest", "tests/test_kernels.py", "tests/test_ops.py", *session.posargs)
 
