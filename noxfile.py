@@ -137,10 +137,8 @@ def kernels(session: nox.Session) -> None:
     gemma package's Transformer decoding at batch 1 with and without it
     (tests_thirdparty), then qcore's kernel tests with the native kernels in use.
     """
-    session.install(
-        *_editable("qcore", "qflax"), "packages/qkernels", *MODEL_LIBS, "pytest", "hypothesis"
-    )
-    session.install("scipy")
+    test_libs = ["pytest", "hypothesis", "scipy"]
+    session.install(*_editable("qcore", "qflax"), "packages/qkernels", *MODEL_LIBS, *test_libs)
     session.chdir("packages/qkernels")
     session.run("pytest", "--doctest-modules", "src", "tests", "tests_thirdparty", *session.posargs)
     session.chdir("../qcore")

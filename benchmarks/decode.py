@@ -203,6 +203,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--reps must be >= 21, got {args.reps}")
     if args.layers < 4:
         parser.error(f"--layers must be >= 4, got {args.layers}")
+    if args.untimed < 1:
+        parser.error(f"--untimed must be >= 1, got {args.untimed}")
     qwix = load_qwix(args.no_qwix)
     try:
         import qkernels  # noqa: PLC0415 - optional: its rows are skipped without it
