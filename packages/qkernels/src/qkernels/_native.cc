@@ -26,13 +26,13 @@
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
+#include "_runtime.h"
 
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif
 
-namespace ffi = xla::ffi;
-
+namespace qkernels {
 namespace {
 
 constexpr int64_t kStrip = 128;  // columns summed in registers at a time
@@ -184,12 +184,6 @@ __attribute__((target("avx2,fma"))) void PartialAvx2(const Operands& a, int64_t 
   for (int v = 0; v < kV; ++v) _mm256_storeu_ps(out + 8 * v, o[v]);
 }
 
-bool HasAvx2Fma() {
-  static const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  return ok;
-}
-#else
-bool HasAvx2Fma() { return false; }
 #endif
 
 // Partial row p over columns [0, n), prefetching partial row `next` (or none if < 0).
@@ -279,58 +273,28 @@ void EvalNode(const Tree& tree, Node v, int64_t n, float* out,
   for (int64_t j = 0; j < n; ++j) out[j] = out[j] + right[j];
 }
 
-// Work split: items handed out through an atomic counter. The calling thread takes
-// items too and waits only for items another thread has started, so a pool too busy
-// to run the scheduled tasks never blocks the call.
-struct Work {
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
-  int64_t total = 0;
-};
-
-template <typename F>
-void ParallelItems(ffi::ThreadPool& pool, int64_t items, F body) {
-  auto work = std::make_shared<Work>();
-  work->total = items;
-  auto run = [work, body]() {
-    for (int64_t s; (s = work->next.fetch_add(1)) < work->total;) {
-      body(s);
-      work->done.fetch_add(1, std::memory_order_release);
-    }
-  };
-  for (int64_t i = 1; i < items; ++i) {
-    auto task = run;  // Schedule takes ownership of a copy
-    pool.Schedule(std::move(task));
-  }
-  run();
-  while (work->done.load(std::memory_order_acquire) < items) std::this_thread::yield();
-}
-
-// y[0, n] = pairwise_sum_p(partial[p, n]) * scale[n]. The threads split the tree, not
+// y[0, n] = pairwise_sum_p(partial[p, n]), unscaled: the caller multiplies by the
+// column scales in XLA, which fuses that multiply with an add that follows it (a
+// bias) into one fused multiply-add, as on its own path. The threads split the tree, not
 // the columns: each evaluates the subtrees below one node near the root over all
 // columns, so it reads whole contiguous blocks of weight rows (splitting the columns
 // made every thread read short pieces of every row: about 60 % of the speed).
 template <Codes kCodes>
 ffi::Error KnBatch1(ffi::ThreadPool pool, ffi::AnyBuffer x_buf, ffi::AnyBuffer w_buf,
-                    ffi::Buffer<ffi::F32> scale, ffi::Result<ffi::Buffer<ffi::F32>> y,
-                    int64_t bk, const float* levels) {
+                    ffi::Result<ffi::Buffer<ffi::F32>> y, int64_t bk, const float* levels) {
   auto wd = w_buf.dimensions();
-  auto sd = scale.dimensions();
-  if (wd.size() != 2 || sd.size() != 2 || x_buf.element_type() != ffi::F32)
-    return ffi::Error::InvalidArgument("qkernels: expected x f32, w (rows, N), scale (1, N)");
+  if (wd.size() != 2 || x_buf.element_type() != ffi::F32)
+    return ffi::Error::InvalidArgument("qkernels: expected x f32, w (rows, N)");
   const int64_t k_rows = wd[0], n = wd[1];
   const int64_t k = kCodes != Codes::kInt8 ? 2 * k_rows : k_rows;
-  if (static_cast<int64_t>(x_buf.element_count()) != k || sd[1] != n || bk < 1 ||
-      sd[0] != 1 || k_rows % bk || y->element_count() != static_cast<size_t>(n))
+  if (static_cast<int64_t>(x_buf.element_count()) != k || bk < 1 || k_rows % bk ||
+      y->element_count() != static_cast<size_t>(n))
     return ffi::Error::InvalidArgument(
         "qkernels: inconsistent shapes: x has " + std::to_string(x_buf.element_count()) +
         " elements, w is (" + std::to_string(k_rows) + ", " + std::to_string(n) +
-        "), scale is (" + std::to_string(sd[0]) + ", " + std::to_string(sd[1]) +
-        "), bk is " + std::to_string(bk) + "; allowed: x (1, K), scale (1, N), bk dividing " +
-        "w's rows");
+        "), bk is " + std::to_string(bk) + "; allowed: x (1, K), bk dividing w's rows");
   const Operands a{static_cast<const float*>(x_buf.untyped_data()),
                    static_cast<const uint8_t*>(w_buf.untyped_data()), n, bk, levels};
-  const float* s = scale.typed_data();
   float* out = y->typed_data();
   const bool simd = HasAvx2Fma();
   const Tree tree(k_rows / bk);
@@ -357,53 +321,52 @@ ffi::Error KnBatch1(ffi::ThreadPool pool, ffi::AnyBuffer x_buf, ffi::AnyBuffer w
     return nullptr;
   };
   std::vector<std::vector<float>> scratch(tree.levels.size(), std::vector<float>(n));
-  std::vector<float> sum(n);
-  EvalNode(tree, tree.Root(), n, sum.data(), scratch, known, [](int64_t, float*) {});
-  for (int64_t c = 0; c < n; ++c) out[c] = sum[c] * s[c];
+  EvalNode(tree, tree.Root(), n, out, scratch, known, [](int64_t, float*) {});
   return ffi::Error::Success();
 }
 
 ffi::Error Int8KnBatch1(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
-                        ffi::Buffer<ffi::F32> scale, ffi::Result<ffi::Buffer<ffi::F32>> y,
-                        int64_t bk) {
+                        ffi::Result<ffi::Buffer<ffi::F32>> y, int64_t bk) {
   if (w.element_type() != ffi::S8) return ffi::Error::InvalidArgument("qkernels: w must be int8");
-  return KnBatch1<Codes::kInt8>(pool, x, w, scale, y, bk, nullptr);
+  return KnBatch1<Codes::kInt8>(pool, x, w, y, bk, nullptr);
 }
 
 ffi::Error Int4KnBatch1(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
-                        ffi::Buffer<ffi::F32> scale, ffi::Result<ffi::Buffer<ffi::F32>> y,
-                        int64_t bk) {
+                        ffi::Result<ffi::Buffer<ffi::F32>> y, int64_t bk) {
   if (w.element_type() != ffi::U8) return ffi::Error::InvalidArgument("qkernels: w must be uint8");
-  return KnBatch1<Codes::kInt4>(pool, x, w, scale, y, bk, nullptr);
+  return KnBatch1<Codes::kInt4>(pool, x, w, y, bk, nullptr);
 }
 
 ffi::Error Codebook4KnBatch1(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
-                             ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::F32> levels,
-                             ffi::Result<ffi::Buffer<ffi::F32>> y, int64_t bk) {
+                             ffi::Buffer<ffi::F32> levels, ffi::Result<ffi::Buffer<ffi::F32>> y,
+                             int64_t bk) {
   if (w.element_type() != ffi::U8) return ffi::Error::InvalidArgument("qkernels: w must be uint8");
   if (levels.element_count() != 16)
     return ffi::Error::InvalidArgument("qkernels: a 4-bit codebook has 16 levels");
-  return KnBatch1<Codes::kCodebook4>(pool, x, w, scale, y, bk, levels.typed_data());
+  return KnBatch1<Codes::kCodebook4>(pool, x, w, y, bk, levels.typed_data());
 }
 
 }  // namespace
 
 #define QK_BIND(...)                                                                   \
   ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>() \
-      .Arg<ffi::Buffer<ffi::F32>>() __VA_ARGS__.Ret<ffi::Buffer<ffi::F32>>()            \
-      .Attr<int64_t>("bk")
+      __VA_ARGS__.Ret<ffi::Buffer<ffi::F32>>().Attr<int64_t>("bk")
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(QkInt8KnBatch1, Int8KnBatch1, QK_BIND());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(QkInt4KnBatch1, Int4KnBatch1, QK_BIND());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(QkCodebook4KnBatch1, Codebook4KnBatch1,
                               QK_BIND(.Arg<ffi::Buffer<ffi::F32>>()));
 
+}  // namespace qkernels
+
 // ---- Python module: the handlers as capsules, and whether the SIMD code runs here.
 static PyObject* Handlers(PyObject*, PyObject*) {
   const std::pair<const char*, void*> handlers[] = {
-      {"qkernels_int8_kn_batch1", reinterpret_cast<void*>(QkInt8KnBatch1)},
-      {"qkernels_int4_kn_batch1", reinterpret_cast<void*>(QkInt4KnBatch1)},
-      {"qkernels_codebook4_kn_batch1", reinterpret_cast<void*>(QkCodebook4KnBatch1)},
+      {"qkernels_int8_kn_batch1", reinterpret_cast<void*>(qkernels::QkInt8KnBatch1)},
+      {"qkernels_int4_kn_batch1", reinterpret_cast<void*>(qkernels::QkInt4KnBatch1)},
+      {"qkernels_codebook4_kn_batch1", reinterpret_cast<void*>(qkernels::QkCodebook4KnBatch1)},
+      {"qkernels_int8_gemm", reinterpret_cast<void*>(QkInt8Gemm)},
+      {"qkernels_w8a8", reinterpret_cast<void*>(QkW8a8)},
   };
   PyObject* d = PyDict_New();
   for (const auto& [name, fn] : handlers) {
@@ -414,11 +377,14 @@ static PyObject* Handlers(PyObject*, PyObject*) {
   return d;
 }
 
-static PyObject* Simd(PyObject*, PyObject*) { return PyBool_FromLong(HasAvx2Fma()); }
+static PyObject* Simd(PyObject*, PyObject*) { return PyBool_FromLong(qkernels::HasAvx2Fma()); }
+
+static PyObject* Vnni(PyObject*, PyObject*) { return PyBool_FromLong(qkernels::HasVnni()); }
 
 static PyMethodDef kMethods[] = {
     {"handlers", Handlers, METH_NOARGS, "FFI handler capsules by target name."},
     {"simd", Simd, METH_NOARGS, "Whether this CPU runs the AVX2 + FMA code."},
+    {"vnni", Vnni, METH_NOARGS, "Whether this CPU has AVX-VNNI or AVX-512 VNNI."},
     {nullptr, nullptr, 0, nullptr}};
 
 static PyModuleDef kModule = {PyModuleDef_HEAD_INIT, "_native", nullptr, -1, kMethods,

@@ -160,8 +160,8 @@ def _qkernels():
     return qkernels
 
 
-def _native_call(native, xla, x, w, scale):
-    """``native(x, w, scale)``, differentiated as ``xla``, the formulation it reproduces.
+def _native_call(native, xla, *args):
+    """``native(*args)``, differentiated as ``xla``, the formulation it reproduces.
 
     An FFI call has no derivative of its own; its values are those of ``xla``, so the
     derivatives are too (``jax.grad``, ``jvp``, ``vmap`` of either, as without
@@ -169,15 +169,15 @@ def _native_call(native, xla, x, w, scale):
     """
 
     @jax.custom_jvp
-    def call(x, w, scale):
-        return native(x, w, scale)
+    def call(*args):
+        return native(*args)
 
     @call.defjvp
     def call_jvp(primals, tangents):
         _, tangent = jax.jvp(xla, primals, tangents)
         return call(*primals), tangent
 
-    return call(x, w, scale)
+    return call(*args)
 
 
 @contextlib.contextmanager
@@ -299,14 +299,15 @@ def int8_weight_only(
         bk = max(d for d in range(1, 17) if k % d == 0)
         native = _native_kernels() if w_codes.dtype == i8 else None  # (its codes are int8)
         if native is not None:
-            return _native_call(
-                lambda x, w, s: native.int8_kn_batch1(x, w, s, bk),
-                lambda x, w, s: _int8_kn_m1(x, w, s, bk),
+            y = _native_call(
+                lambda x, w: native.int8_kn_batch1(x, w, bk),
+                lambda x, w: _int8_kn_m1(x, w, bk),
                 x,
                 w_codes,
-                w_scale,
             )
-        return _int8_kn_m1(x, w_codes, w_scale, bk)
+        else:
+            y = _int8_kn_m1(x, w_codes, bk)
+        return y * w_scale  # in XLA either way (see _native_call)
     # scan over K blocks, accumulate in f32
     cdt = bf16 if (precision == "bf16" and m > 1) else f32  # M=1 dots must stay f32 (see top)
     bk = block or _pick_block(k, 512 if m == 1 else 256)
@@ -363,14 +364,14 @@ def int4_packed_weight_only(
             bk = block or _pick_block(span, 8)
             native = _native_kernels() if w_scale.shape[0] == 1 else None
             if native is not None:  # (qkernels has no group scales)
-                return _native_call(
-                    lambda x, w, s: native.int4_kn_batch1(x, w, s, bk),
-                    lambda x, w, s: _int4_kn_m1(x, w, s, group_size, bk),
+                y = _native_call(
+                    lambda x, w: native.int4_kn_batch1(x, w, bk),
+                    lambda x, w: _int4_kn_m1(x, w, None, bk),
                     x,
                     w_packed,
-                    w_scale,
                 )
-            return _int4_kn_m1(x, w_packed, w_scale, group_size, bk)
+                return y * w_scale
+            return _int4_kn_m1(x, w_packed, w_scale, bk)
         return _int4_kn(x, w_packed, w_scale, group_size, precision, block)
     n = w_packed.shape[0]
     grouped = group_size is not None and w_scale.shape[0] > 1
@@ -460,14 +461,14 @@ def codebook4_packed_weight_only(x, w_packed, w_scale, levels, *, group_size=Non
     x = x.astype(f32)
     native = _native_kernels() if w_scale.shape[0] == 1 else None
     if native is not None:  # (qkernels has no group scales)
-        return _native_call(
-            lambda x, w, s: native.codebook4_kn_batch1(x, w, s, bk, levels),
-            lambda x, w, s: _int4_kn_m1(x, w, s, group_size, bk, levels),
+        y = _native_call(
+            lambda x, w: native.codebook4_kn_batch1(x, w, bk, levels),
+            lambda x, w: _int4_kn_m1(x, w, None, bk, levels),
             x,
             w_packed,
-            w_scale,
         )
-    return _int4_kn_m1(x, w_packed, w_scale, group_size, bk, levels)
+        return y * w_scale
+    return _int4_kn_m1(x, w_packed, w_scale, bk, levels)
 
 
 def _lookup4(index, levels):
@@ -482,8 +483,8 @@ def _lookup4(index, levels):
     return values[0]
 
 
-def _int8_kn_m1(x, w_codes, w_scale, bk):
-    """(K, N) int8 at M = 1, as one multi-threaded loop fusion.
+def _int8_kn_m1(x, w_codes, bk):
+    """(K, N) int8 at M = 1, before the scales, as one multi-threaded loop fusion.
 
     P = K/bk partial rows, each the python-unrolled sum of bk ``x[k] * float(w[k, :])``
     terms over static strided slices (vectorised along N), then a pairwise tree of adds
@@ -495,7 +496,7 @@ def _int8_kn_m1(x, w_codes, w_scale, bk):
     w3 = w_codes.reshape(p_rows, bk, n)
     x3 = x.astype(f32).reshape(p_rows, bk)
     terms = [(x3[:, j, None], w3[:, j].astype(f32)) for j in range(bk)]
-    return _pairwise_sum(_sum_of_products(terms)) * w_scale
+    return _pairwise_sum(_sum_of_products(terms))
 
 
 def _nibbles(b):
@@ -504,7 +505,7 @@ def _nibbles(b):
     return ((v & 15) ^ 8) - 8, ((v >> 4) ^ 8) - 8
 
 
-def _int4_kn_m1(x, w_packed, w_scale, group_size, bk, levels=None):
+def _int4_kn_m1(x, w_packed, w_scale, bk, levels=None):
     """(K/2, N) packed int4 (or 4-bit codebook, ``levels``) at M = 1, as one loop fusion.
 
     It computes P = K/(2*bk) partial rows
@@ -512,7 +513,8 @@ def _int4_kn_m1(x, w_packed, w_scale, group_size, bk, levels=None):
     (python-unrolled FMAs over static strided slices, vectorised along N), group scales are
     applied to these partials, and a pairwise tree of adds sums the P rows. No weight-size
     temporary is ever written. (A reduce over the major axis would be pathologically slow in
-    XLA:CPU; the unrolled form is not.)
+    XLA:CPU; the unrolled form is not.) ``w_scale`` None: the sums before any scale
+    (what qkernels computes).
     """
     k = x.shape[1]
     n = w_packed.shape[1]
@@ -532,11 +534,11 @@ def _int4_kn_m1(x, w_packed, w_scale, group_size, bk, levels=None):
             lo, hi = _lookup4(v & 15, levels), _lookup4(v >> 4, levels)
         terms += [(x3[:, j, 0, None], lo), (x3[:, j, 1, None], hi)]
     out1 = _sum_of_products(terms)
-    grouped = group_size is not None and w_scale.shape[0] > 1
+    grouped = w_scale is not None and w_scale.shape[0] > 1
     if grouped:
         out1 = out1 * numerics.repeat(w_scale, p_rows // w_scale.shape[0], 0)
     y = _pairwise_sum(out1)
-    return y if grouped else y * w_scale
+    return y if grouped or w_scale is None else y * w_scale
 
 
 def _int4_kn(x, w_packed, w_scale, group_size, precision, block):
@@ -580,6 +582,35 @@ def _int4_kn(x, w_packed, w_scale, group_size, precision, block):
 # this many weight elements, blocked f32 conversion above (see w8a8).
 _W8A8_KN_INT8_MAX_WEIGHT = 2**22
 
+# w8a8 calls qkernels' int8 GEMM from this many activation rows (on CPUs without
+# VNNI); below it XLA's int8 dot was as fast or faster (benchmarks/int8_gemm.py).
+_W8A8_NATIVE_MIN_ROWS = 16
+
+
+def _native_w8a8(x_codes, x_scale, w_codes, w_scale, layout):
+    """Qkernels' w8a8 product (exact int8 GEMM, then the row scales), or None.
+
+    None where qkernels is missing or off, below ``_W8A8_NATIVE_MIN_ROWS`` rows or with
+    a symbolic row count, for codes not stored as int8, and on CPUs with VNNI, whose int8 dot-product
+    instructions XLA's own GEMM uses and qkernels' AVX2 code does not. It computes
+    :func:`w8a8`'s expression: integer sums are exact in any order, the row scales
+    multiply in the kernel, and the column scales in XLA (see :func:`_native_call`),
+    so the result is the XLA path's bit for bit.
+    """
+    native, m = _native_kernels(), x_codes.shape[0]
+    if native is None or not isinstance(m, int) or m < _W8A8_NATIVE_MIN_ROWS or native.vnni():
+        return None  # (a symbolic row count, as under jax.export, stays on XLA)
+    if x_codes.dtype != i8 or w_codes.dtype != i8:
+        return None
+    rows = _native_call(
+        lambda *a: native.w8a8(*a, w_layout=layout),
+        lambda *a: _w8a8_rows(*a, layout),
+        x_codes,
+        x_scale,
+        w_codes,
+    )
+    return rows * w_scale
+
 
 # ----------------------------------------------------------------------------------------------
 # C. w8a8: int8 activations (per-row scale) x int8 weights (per-column scale)
@@ -596,7 +627,9 @@ def w8a8(x_codes, x_scale, w_codes, w_scale, *, layout="nk", block=None):
     4 MiB: there K blocks of 512 rows are converted to f32 and multiplied with f32
     accumulation (exact: products of codes and their block sums stay below
     ``2**24``). An explicit ``block`` forces the blocks (bf16 above batch 1: codes
-    are exact in bf16).
+    are exact in bf16). With qkernels installed, from 16 rows on a CPU without VNNI,
+    either layout's integer product is qkernels' exact int8 GEMM instead (the same
+    integers, so the same result bit for bit).
 
     Args:
         x_codes: ``(M, K)`` int8 activation codes.
@@ -610,15 +643,29 @@ def w8a8(x_codes, x_scale, w_codes, w_scale, *, layout="nk", block=None):
         ``(M, N)`` float32.
     """
     m, k = x_codes.shape
-    xp = jnp.concatenate([x_codes, jnp.zeros((1, k), x_codes.dtype)], 0) if m == 1 else x_codes
-    if layout == "nk":
-        acc = lax.dot_general(w_codes, xp, _DN_LAST, preferred_element_type=i32)  # (N, M')
-        return acc[:, :m].T.astype(f32) * x_scale * w_scale
-    if block is None and (m != 1 or k * w_codes.shape[1] <= _W8A8_KN_INT8_MAX_WEIGHT):
-        acc = lax.dot(xp, w_codes, preferred_element_type=i32)[:m]  # (M, N)
-        return acc.astype(f32) * x_scale * w_scale
+    if block is None:
+        y = _native_w8a8(x_codes, x_scale, w_codes, w_scale, layout)
+        if y is not None:
+            return y
+    if (
+        layout == "nk"
+        or block is None
+        and (m != 1 or k * w_codes.shape[1] <= _W8A8_KN_INT8_MAX_WEIGHT)
+    ):
+        return _w8a8_rows(x_codes, x_scale, w_codes, layout) * w_scale
     cdt = f32 if m == 1 else bf16
     return _scan_k(x_codes, w_codes, cdt, block or _pick_block(k, 512)) * x_scale * w_scale
+
+
+def _w8a8_rows(x_codes, x_scale, w_codes, layout):
+    """The int8 GEMM of :func:`w8a8` in XLA, times the row scales (not the columns')."""
+    m, k = x_codes.shape
+    xp = jnp.concatenate([x_codes, jnp.zeros((1, k), x_codes.dtype)], 0) if m == 1 else x_codes
+    if layout == "nk":
+        acc = lax.dot_general(w_codes, xp, _DN_LAST, preferred_element_type=i32)[:, :m].T
+    else:
+        acc = lax.dot(xp, w_codes, preferred_element_type=i32)[:m]  # (M, N)
+    return acc.astype(f32) * x_scale
 
 
 # ----------------------------------------------------------------------------------------------
