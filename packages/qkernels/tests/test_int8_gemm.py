@@ -180,6 +180,23 @@ def test_flax_model_w8a8_bit_for_bit():
     np.testing.assert_array_equal(np.asarray(native(x, qparams)), np.asarray(xla(x, qparams)))
 
 
+def test_jax_export_needs_the_kernels_off():
+    """jax.export refuses qkernels' custom calls; traced without them it exports."""
+    q_w = qcore.quantize(
+        jnp.asarray(RNG.standard_normal((64, 32)), jnp.float32),
+        qcore.HowToQuantize(qtype="int8", channelwise_axes=(1,)),
+    )
+    x = jnp.asarray(RNG.standard_normal((32, 64)), jnp.float32)
+    f = jax.jit(lambda x: _w8a8(x, q_w))
+    if ROUTED:
+        with pytest.raises(ValueError, match="custom call"):
+            jax.export.export(f)(x)
+    with kernels.native_kernels(False):
+        exported = jax.export.export(jax.jit(lambda x: _w8a8(x, q_w)))(x)
+    assert "@qkernels_" not in exported.mlir_module()
+    np.testing.assert_array_equal(np.asarray(exported.call(x)), np.asarray(f(x)))
+
+
 def test_gradients_are_those_of_the_xla_path():
     """jax.grad through a routed w8a8 product works, and agrees with the XLA path's."""
     q_w = qcore.quantize(

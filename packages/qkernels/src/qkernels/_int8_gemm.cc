@@ -72,9 +72,10 @@ void PanelScalar(const Gemm& g, int64_t c0, int64_t cols) {
   for (int64_t r = 0; r < g.m; ++r) {
     const int8_t* xr = g.x + r * g.ldx;
     for (int64_t c = c0; c < c0 + cols; ++c) {
-      int32_t s = 0;
-      for (int64_t k = 0; k < g.k; ++k) s += int32_t{xr[k]} * int32_t{W(g, k, c)};
-      g.y[r * g.n + c] = Out(g, r, s);
+      uint32_t s = 0;  // unsigned: wraps past 2**31 as XLA's int32 sums do, defined
+      for (int64_t k = 0; k < g.k; ++k)
+        s += static_cast<uint32_t>(int32_t{xr[k]} * int32_t{W(g, k, c)});
+      g.y[r * g.n + c] = Out(g, r, static_cast<int32_t>(s));
     }
   }
 }
@@ -162,13 +163,16 @@ __attribute__((target("avx2,fma"))) void Tile(const Gemm& g, const int8_t* panel
   }
   for (int r = 0; r < R; ++r) {
     int32_t* yr = g.y + (r0 + r) * g.n + c0;
-    alignas(32) int32_t tmp[kCols];
+    alignas(32) int32_t tmp[kCols] = {};
     if (add) std::memcpy(tmp, yr, cols * sizeof(int32_t));
     for (int h = 0; h < 2; ++h) {
       __m256i* t = reinterpret_cast<__m256i*>(tmp + 8 * h);
       _mm256_store_si256(t, add ? _mm256_add_epi32(_mm256_load_si256(t), acc[r][h]) : acc[r][h]);
     }
-    for (int64_t i = 0; i < hits; ++i) tmp[lowest[i].c - c0] -= g.x[(r0 + r) * g.ldx + lowest[i].k];
+    for (int64_t i = 0; i < hits; ++i) {  // (unsigned, as above)
+      uint32_t& t = reinterpret_cast<uint32_t&>(tmp[lowest[i].c - c0]);
+      t -= static_cast<uint32_t>(int32_t{g.x[(r0 + r) * g.ldx + lowest[i].k]});
+    }
     if (last && g.xs != nullptr)
       for (int64_t j = 0; j < cols; ++j) tmp[j] = Out(g, r0 + r, tmp[j]);
     std::memcpy(yr, tmp, cols * sizeof(int32_t));
@@ -260,7 +264,7 @@ ffi::Error Run(ffi::ThreadPool& pool, ffi::Buffer<ffi::S8>& x, ffi::Buffer<ffi::
   const int64_t panels = (n + kCols - 1) / kCols;
   const int64_t items = std::min(
       panels, std::max<int64_t>((panels + kChunk - 1) / kChunk, pool.num_threads()));
-  ParallelItems(pool, items, [&](int64_t item) {
+  const bool ok = ParallelItems(pool, items, [&](int64_t item) {
     const int64_t c0 = panels * item / items * kCols;
     const int64_t cols = std::min(n, panels * (item + 1) / items * kCols) - c0;
 #if defined(__x86_64__)
@@ -268,19 +272,22 @@ ffi::Error Run(ffi::ThreadPool& pool, ffi::Buffer<ffi::S8>& x, ffi::Buffer<ffi::
 #endif
     PanelScalar(g, c0, cols);
   });
-  return ffi::Error::Success();
+  return ok ? ffi::Error::Success() : Failed();
 }
 
 ffi::Error Int8Gemm(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> x, ffi::Buffer<ffi::S8> w,
                     ffi::Result<ffi::Buffer<ffi::S32>> y, int64_t w_nk) {
-  return Run(pool, x, w, w_nk, nullptr, 0, y->typed_data(), y->element_count());
+  return Guarded(
+      [&] { return Run(pool, x, w, w_nk, nullptr, 0, y->typed_data(), y->element_count()); });
 }
 
 // float(x . w) * x_scale[r], the int32 sums never leaving the tiles.
 ffi::Error W8a8(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> x, ffi::Buffer<ffi::F32> x_scale,
                 ffi::Buffer<ffi::S8> w, ffi::Result<ffi::Buffer<ffi::F32>> y, int64_t w_nk) {
-  return Run(pool, x, w, w_nk, x_scale.typed_data(), x_scale.element_count(), y->typed_data(),
-             y->element_count());
+  return Guarded([&] {
+    return Run(pool, x, w, w_nk, x_scale.typed_data(), x_scale.element_count(),
+               y->typed_data(), y->element_count());
+  });
 }
 
 }  // namespace

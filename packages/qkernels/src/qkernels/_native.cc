@@ -304,7 +304,7 @@ ffi::Error KnBatch1(ffi::ThreadPool pool, ffi::AnyBuffer x_buf, ffi::AnyBuffer w
   tree.Frontier(tree.Root(), depth, &items);
   std::vector<std::vector<float>> rows(items.size(), std::vector<float>(n));
   auto none = [](Node) -> const float* { return nullptr; };
-  ParallelItems(pool, static_cast<int64_t>(items.size()), [&](int64_t item) {
+  const bool ok = ParallelItems(pool, static_cast<int64_t>(items.size()), [&](int64_t item) {
     std::vector<int64_t> order;
     tree.Leaves(items[item], &order);
     size_t cursor = 0;
@@ -315,6 +315,7 @@ ffi::Error KnBatch1(ffi::ThreadPool pool, ffi::AnyBuffer x_buf, ffi::AnyBuffer w
     std::vector<std::vector<float>> scratch(tree.levels.size(), std::vector<float>(n));
     EvalNode(tree, items[item], n, rows[item].data(), scratch, none, leaf);
   });
+  if (!ok) return Failed();
   auto known = [&](Node v) -> const float* {
     for (size_t j = 0; j < items.size(); ++j)
       if (items[j].level == v.level && items[j].i == v.i) return rows[j].data();
@@ -328,13 +329,13 @@ ffi::Error KnBatch1(ffi::ThreadPool pool, ffi::AnyBuffer x_buf, ffi::AnyBuffer w
 ffi::Error Int8KnBatch1(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
                         ffi::Result<ffi::Buffer<ffi::F32>> y, int64_t bk) {
   if (w.element_type() != ffi::S8) return ffi::Error::InvalidArgument("qkernels: w must be int8");
-  return KnBatch1<Codes::kInt8>(pool, x, w, y, bk, nullptr);
+  return Guarded([&] { return KnBatch1<Codes::kInt8>(pool, x, w, y, bk, nullptr); });
 }
 
 ffi::Error Int4KnBatch1(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
                         ffi::Result<ffi::Buffer<ffi::F32>> y, int64_t bk) {
   if (w.element_type() != ffi::U8) return ffi::Error::InvalidArgument("qkernels: w must be uint8");
-  return KnBatch1<Codes::kInt4>(pool, x, w, y, bk, nullptr);
+  return Guarded([&] { return KnBatch1<Codes::kInt4>(pool, x, w, y, bk, nullptr); });
 }
 
 ffi::Error Codebook4KnBatch1(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
@@ -343,7 +344,8 @@ ffi::Error Codebook4KnBatch1(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuf
   if (w.element_type() != ffi::U8) return ffi::Error::InvalidArgument("qkernels: w must be uint8");
   if (levels.element_count() != 16)
     return ffi::Error::InvalidArgument("qkernels: a 4-bit codebook has 16 levels");
-  return KnBatch1<Codes::kCodebook4>(pool, x, w, y, bk, levels.typed_data());
+  return Guarded(
+      [&] { return KnBatch1<Codes::kCodebook4>(pool, x, w, y, bk, levels.typed_data()); });
 }
 
 }  // namespace

@@ -39,20 +39,28 @@ inline bool HasVnni() {
 
 // Work split: items handed out through an atomic counter. The calling thread takes
 // items too and waits only for items another thread has started, so a pool too busy
-// to run the scheduled tasks never blocks the call.
+// to run the scheduled tasks never blocks the call. An exception in an item (an
+// allocation that fails) is caught, so it neither terminates the process from a pool
+// thread nor unwinds the caller while other threads still use its data; the call
+// then returns false.
 struct Work {
   std::atomic<int64_t> next{0};
   std::atomic<int64_t> done{0};
+  std::atomic<bool> failed{false};
   int64_t total = 0;
 };
 
 template <typename F>
-void ParallelItems(ffi::ThreadPool& pool, int64_t items, F body) {
+bool ParallelItems(ffi::ThreadPool& pool, int64_t items, F body) {
   auto work = std::make_shared<Work>();
   work->total = items;
   auto run = [work, body]() {
     for (int64_t s; (s = work->next.fetch_add(1)) < work->total;) {
-      body(s);
+      try {
+        body(s);
+      } catch (...) {
+        work->failed.store(true);
+      }
       work->done.fetch_add(1, std::memory_order_release);
     }
   };
@@ -62,6 +70,23 @@ void ParallelItems(ffi::ThreadPool& pool, int64_t items, F body) {
   }
   run();
   while (work->done.load(std::memory_order_acquire) < items) std::this_thread::yield();
+  return !work->failed.load();
+}
+
+// The error a handler returns when it or one of its items threw (an allocation that
+// failed): an exception must not leave an FFI handler.
+inline ffi::Error Failed() {
+  return ffi::Error::Internal("qkernels: the kernel failed (out of memory?)");
+}
+
+// f() (a handler's body), with any exception turned into Failed().
+template <typename F>
+ffi::Error Guarded(F f) {
+  try {
+    return f();
+  } catch (...) {
+    return Failed();
+  }
 }
 
 }  // namespace qkernels

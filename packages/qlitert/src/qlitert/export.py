@@ -46,6 +46,7 @@ import jax
 import numpy as np
 
 from qcore.files import write_atomic
+from qcore.ops import kernels as qcore_kernels
 from qlitert import converter
 from qlitert.inspection import ModelReport, from_bytes, inspect
 from qlitert.validation import KERNELS, compare_layers
@@ -124,7 +125,10 @@ def export(
     specs = [_spec(x, i, validate) for i, x in enumerate(example_inputs)]
     _check_types(compute_types)
     input_names = _names("input_names", input_names, len(specs), "x")
-    exported = jax.export.export(jax.jit(fn), platforms=["cpu"])(*specs)
+    # The StableHLO must be portable: traced without qcore's optional native kernels,
+    # whose custom calls neither jax.export nor the converter can take.
+    with qcore_kernels.native_kernels(False):
+        exported = jax.export.export(jax.jit(fn), platforms=["cpu"])(*specs)
     # Known once the export has traced fn.
     allowed = compute_types or getattr(fn, "compute_types", None) or INTEGER_TYPES
     tflite = converter.stablehlo_to_tflite(

@@ -35,7 +35,8 @@ for M >~ 16 a blocked float (bf16 or f32) YNNPACK dot is used instead.
 
 With the optional ``qkernels`` package installed, the weight-only products with a
 (K, N) weight, one activation row and per-column scales call its native kernels,
-which compute these functions' float expressions in the same order, bit for bit (see
+which compute these functions' float expressions in the same order, bit for bit, and
+so do w8a8 products from 16 rows on CPUs without VNNI (an exact int8 GEMM; see
 :func:`native_kernels`).
 
 All functions are jittable; every shape-dependent choice is static (Python ints).
@@ -165,7 +166,10 @@ def _native_call(native, xla, *args):
 
     An FFI call has no derivative of its own; its values are those of ``xla``, so the
     derivatives are too (``jax.grad``, ``jvp``, ``vmap`` of either, as without
-    qkernels).
+    qkernels). Neither computes the final multiply by the column scales: the caller
+    does it in XLA on both paths, because XLA fuses that multiply with an add that
+    follows it (a bias, a residual) into one fused multiply-add, which a kernel that
+    rounded the product first would not reproduce.
     """
 
     @jax.custom_jvp
@@ -534,11 +538,10 @@ def _int4_kn_m1(x, w_packed, w_scale, bk, levels=None):
             lo, hi = _lookup4(v & 15, levels), _lookup4(v >> 4, levels)
         terms += [(x3[:, j, 0, None], lo), (x3[:, j, 1, None], hi)]
     out1 = _sum_of_products(terms)
-    grouped = w_scale is not None and w_scale.shape[0] > 1
-    if grouped:
-        out1 = out1 * numerics.repeat(w_scale, p_rows // w_scale.shape[0], 0)
+    if w_scale is not None and w_scale.shape[0] > 1:  # group scales, before the tree
+        return _pairwise_sum(out1 * numerics.repeat(w_scale, p_rows // w_scale.shape[0], 0))
     y = _pairwise_sum(out1)
-    return y if grouped or w_scale is None else y * w_scale
+    return y if w_scale is None else y * w_scale
 
 
 def _int4_kn(x, w_packed, w_scale, group_size, precision, block):
@@ -591,8 +594,8 @@ def _native_w8a8(x_codes, x_scale, w_codes, w_scale, layout):
     """Qkernels' w8a8 product (exact int8 GEMM, then the row scales), or None.
 
     None where qkernels is missing or off, below ``_W8A8_NATIVE_MIN_ROWS`` rows or with
-    a symbolic row count, for codes not stored as int8, and on CPUs with VNNI, whose int8 dot-product
-    instructions XLA's own GEMM uses and qkernels' AVX2 code does not. It computes
+    a symbolic row count, for codes not stored as int8, and on CPUs with VNNI, whose
+    int8 dot-product instructions XLA's own GEMM uses and qkernels' AVX2 code does not. It computes
     :func:`w8a8`'s expression: integer sums are exact in any order, the row scales
     multiply in the kernel, and the column scales in XLA (see :func:`_native_call`),
     so the result is the XLA path's bit for bit.
@@ -604,7 +607,7 @@ def _native_w8a8(x_codes, x_scale, w_codes, w_scale, layout):
         return None
     rows = _native_call(
         lambda *a: native.w8a8(*a, w_layout=layout),
-        lambda *a: _w8a8_rows(*a, layout),
+        lambda x, xs, w: _w8a8_rows(x, xs, w, layout),
         x_codes,
         x_scale,
         w_codes,
