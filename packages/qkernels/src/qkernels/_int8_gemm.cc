@@ -2,10 +2,10 @@
 //
 // y (M, N) = x (M, K) . w, with w stored (K, N) (Flax's layout) or (N, K) (torch's),
 // as int32 sums, or (the w8a8 handler) as float(sum) * x_scale[r], the first multiply
-// of qcore's w8a8 expression, without an int32 temporary. Integer sums are exact in any order, so
-// the result equals XLA's int8 dot (and qcore's w8a8 product) bit for bit; what differs
-// is the speed on CPUs without int8 dot-product instructions (VNNI), where XLA's int8
-// GEMM runs at about float speed.
+// of qcore's w8a8 expression, without an int32 temporary. Integer sums are exact in
+// any order, so the result equals XLA's int8 dot (and qcore's w8a8 product) bit for
+// bit; what differs is the speed on CPUs without int8 dot-product instructions
+// (VNNI), where XLA's int8 GEMM runs at about float speed.
 //
 // The AVX2 code multiplies 32 pairs of codes per instruction: vpmaddubsw takes an
 // unsigned and a signed byte vector and adds adjacent products into 16-bit sums. The
@@ -16,10 +16,10 @@
 // (qcore's symmetric int8 uses it: its scale divides by 127.5) would overflow the
 // sign step, so it is packed as -127 and x[:, k] subtracted from its column after.
 //
-// The weight is repacked per call, 16 columns at a time, into a panel in which each
-// 32-bit lane holds one column's codes for 4 consecutive k; the panel (K * 16 bytes)
-// stays in cache while every activation row passes over it. Threads take whole
-// panels, so each reads its own part of the weight once.
+// The weight is repacked on every call into panels of 16 columns in which each 32-bit
+// lane holds one column's codes for 4 consecutive k, one block of K at a time (see
+// ColumnsAvx2). Threads take runs of whole panels, so each reads its own part of the
+// weight once.
 
 #include <algorithm>
 #include <cstdint>
@@ -135,8 +135,9 @@ __attribute__((target("avx2,fma"))) void Pack(const Gemm& g, int64_t c0, int64_t
 }
 
 // y[r0 .. r0 + R, c0 .. c0 + cols) from groups [q0, q0 + groups) of a packed panel,
-// added to what y holds if `add` (and scaled if the `last` block), corrected for the panel's codes of -128 in this
-// block (`lowest`, `hits` of them: each stored as -127, so x[:, k] is subtracted).
+// added to what y holds if `add` (and scaled if the `last` block), corrected for the
+// panel's codes of -128 in this block (`lowest`, `hits` of them: each stored as -127,
+// so x[:, k] is subtracted).
 template <int R>
 __attribute__((target("avx2,fma"))) void Tile(const Gemm& g, const int8_t* panel,
                                                int64_t q0, int64_t groups, int64_t r0,
@@ -230,7 +231,7 @@ void ColumnsAvx2(const Gemm& g, int64_t c0, int64_t cols) {
 }
 #endif
 
-// The checks and the run shared by both handlers; xs and ws are null for int32 sums.
+// The checks and the run shared by both handlers; xs is null for int32 sums.
 ffi::Error Run(ffi::ThreadPool& pool, ffi::Buffer<ffi::S8>& x, ffi::Buffer<ffi::S8>& w,
                int64_t w_nk, const float* xs, size_t xs_count, void* y, size_t y_count) {
   auto xd = x.dimensions();
