@@ -109,11 +109,14 @@ CASES = [
     ("int4", 6, 64, 1),
     ("int4", 384, 1536, 1),
     ("int4", 256, 192, 2),
+    ("int4", 64, 48, 1),  # one strip of 32 columns (4-bit codes), then a scalar tail
+    ("int4", 2, 200, 1),  # one packed row: the strip's first row is also its last
     ("nf4", 4096, 4096, 1),
     ("nf4", 4096, 4096, 64),  # tiles of 64 (QLoRA's): the XLA path
     ("nf4", 6, 64, 1),
     ("nf4", 384, 1536, 1),
     ("nf4", 256, 130, 1),
+    ("nf4", 32, 200, 1),
 ]
 
 
