@@ -253,6 +253,7 @@ def bench(session: nox.Session) -> None:
     session.run("python", "benchmarks/onnx_profile.py", "--peer", ONNX_PEER_DIR, *args)
     for script in (
         "minilm.py",
+        "smoothquant_cost.py",
         "quantize_params.py",
         "compile_cost.py",
         "w8a8_layout.py",
