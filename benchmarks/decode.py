@@ -29,6 +29,11 @@ per call (codes and scales) over the memory read bandwidth measured in the same 
 (a jitted sum of 256 MiB of float32); no computation that reads every weight once
 can beat it.
 
+``--batch`` (default 1) sets the activation rows per call: a small batch of tokens
+decoded together (beams, speculative drafts). qkernels covers one row only, so
+other batches have no ``(qkernels)`` rows; each batch has its own README section
+(``decode``, ``decode-b4``, ...).
+
 Run: ``nox -s bench`` (or ``python benchmarks/decode.py --help``).
 """
 
@@ -97,10 +102,14 @@ def _weight_bytes(params: Any) -> int:
     return int(total)
 
 
-def configs(layers: int, qwix: Any) -> dict[str, tuple[Callable, Any]]:
-    """name -> (compiled ``f(x, params)``, params); each traced with its own path."""
+def configs(layers: int, qwix: Any, batch: int = 1) -> dict[str, tuple[Callable, Any]]:
+    """name -> (compiled ``f(x, params)``, params); each traced with its own path.
+
+    qkernels covers one activation row only, so with ``batch`` > 1 there are no
+    ``(qkernels)`` rows.
+    """
     model = Chain(layers)
-    x = jnp.ones((1, WIDTH), jnp.float32)
+    x = jnp.ones((batch, WIDTH), jnp.float32)
     params = model.init(jax.random.key(0), x)["params"]
     out: dict[str, tuple[Callable, Any]] = {
         "fp32": (jax.jit(lambda x, p: model.apply({"params": p}, x)), params)
@@ -109,7 +118,7 @@ def configs(layers: int, qwix: Any) -> dict[str, tuple[Callable, Any]]:
         qmodel = qflax.quantize_model(model, qflax.PtqProvider([qflax.QuantizationRule(**rule)]))
         abstract = jax.eval_shape(qmodel.init, jax.random.key(0), x)["params"]
         qparams = qflax.quantize_params(params, abstract)
-        for native in (False, True) if name in NATIVE else (False,):
+        for native in (False, True) if name in NATIVE and batch == 1 else (False,):
             with kernels.native_kernels(native):
                 fn = jax.jit(lambda x, p, m=qmodel: m.apply({"params": p}, x))
                 compiled = fn.lower(x, qparams).compile()
@@ -130,10 +139,10 @@ def configs(layers: int, qwix: Any) -> dict[str, tuple[Callable, Any]]:
     return out
 
 
-def run(layers: int, reps: int, untimed: int, qwix: Any) -> list[dict[str, Any]]:
+def run(layers: int, reps: int, untimed: int, qwix: Any, batch: int = 1) -> list[dict[str, Any]]:
     """One row per configuration: times, error against fp32, bytes."""
-    cfgs = configs(layers, qwix)
-    x = jax.random.normal(jax.random.key(1), (1, WIDTH), jnp.float32)
+    cfgs = configs(layers, qwix, batch)
+    x = jax.random.normal(jax.random.key(1), (batch, WIDTH), jnp.float32)
     outputs = {name: np.asarray(fn(x, p), np.float64) for name, (fn, p) in cfgs.items()}
     for name in NATIVE:
         native = f"{name} (qkernels)"
@@ -189,17 +198,23 @@ def table(data: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def section(batch: int) -> str:
+    """The README section (and results file stem) of a run at ``batch`` rows."""
+    return "decode" if batch == 1 else f"decode-b{batch}"
+
+
 def update_readme(data: dict[str, Any], path: Path) -> None:
-    """Replaces the decode section of benchmarks/README.md."""
+    """Replaces the decode section (of the run's batch) of benchmarks/README.md."""
     m = data["machine"]
     body = (
         measured_on(m, f"qflax {m['qflax']}, qkernels {m['qkernels']}, Qwix {m['qwix']}")
-        + f" {m['layers']} chained Dense(4096) layers at batch 1; {m['reps']} interleaved"
+        + f" {m['layers']} chained Dense(4096) layers at batch {m['batch']}; {m['reps']}"
+        " interleaved"
         f" rounds, each timed call after {m['untimed']} untimed ones; medians with p10–p90;"
         " memory"
         f" bandwidth {data['bandwidth_gbs']:.1f} GB/s measured in the same run.\n\n" + table(data)
     )
-    replace_section(path, "decode", body)
+    replace_section(path, section(m["batch"]), body)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -209,7 +224,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=6, help="Dense(4096) layers (>= 4)")
     parser.add_argument("--untimed", type=int, default=3, help="untimed calls before each timed")
     parser.add_argument("--no-qwix", action="store_true", help="skip the Qwix comparison")
-    parser.add_argument("--out", type=Path, default=HERE / "results" / "decode.json")
+    parser.add_argument("--batch", type=int, default=1, help="activation rows per call (>= 1)")
+    parser.add_argument("--out", type=Path, help="results JSON (default results/SECTION.json)")
     parser.add_argument("--readme", action="store_true", help="rewrite the table in README.md")
     args = parser.parse_args(argv)
     if args.reps < 21:
@@ -218,10 +234,13 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--layers must be >= 4, got {args.layers}")
     if args.untimed < 1:
         parser.error(f"--untimed must be >= 1, got {args.untimed}")
+    if args.batch < 1:
+        parser.error(f"--batch must be >= 1, got {args.batch}")
     qwix = load_qwix(args.no_qwix)
     info = run_info(
         args.reps,
         layers=args.layers,
+        batch=args.batch,
         untimed=args.untimed,
         qflax=qflax.__version__,
         qkernels=qkernels_version(),
@@ -229,10 +248,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     gbs = bandwidth_gbs(args.reps)
     print(f"memory bandwidth {gbs:.1f} GB/s", flush=True)
-    rows = run(args.layers, args.reps, args.untimed, qwix)
+    rows = run(args.layers, args.reps, args.untimed, qwix, args.batch)
     data = {"machine": info, "bandwidth_gbs": gbs, "rows": rows}
     print(table(data))
-    publish("decode", data, args.out, args.readme, update_readme)
+    name = section(args.batch)
+    out = args.out or HERE / "results" / f"{name.replace('-', '_')}.json"
+    publish(name, data, out, args.readme, update_readme)
     return 0
 
 

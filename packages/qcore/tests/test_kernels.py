@@ -334,8 +334,8 @@ def _path_cases(k):
         if tile is not None:  # sub-channel scales: the grouped int4 kernels
             grouped = ("int4", (tile, 1), False)
             cases[f"int4 packed tile {tile} {layout}"] = (None, grouped, layout, True, True)
-    # nf4 packed along K: the batch-1 lookup kernel for one row (K even), else general.
-    cases["nf4 packed"] = (None, ("nf4", (None, 1), False), "kn", True, "batch 1")
+    # nf4 packed along K (K even): the lookup kernels (a loop fusion for one row, a scan).
+    cases["nf4 packed"] = (None, ("nf4", (None, 1), False), "kn", True, k % 2 == 0)
     cases["uint8 asymmetric x int8"] = (("uint8", (1, None), True), col, "kn", False, False)
     tile = _tile(k)
     if tile is not None:  # the grouped general path: weight-only, float and int8 x int8
@@ -384,10 +384,7 @@ def test_every_product_path_is_exact_for_sizes_off_the_kernel_blocks(k):
     options = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
     out = jax.jit(run).lower(operands).compile(compiler_options=options)(operands)
     for (name, m), ys in out.items():
-        expected = cases[name][4]
-        if expected == "batch 1":
-            expected = m == 1 and k % 2 == 0
-        assert taken[name, m] == expected, (name, m)
+        assert taken[name, m] == cases[name][4], (name, m)
         x64, w64 = values[name, m]
         finite_rows = np.isfinite(x64).all(1, keepdims=True)
         x64 = np.where(finite_rows, x64, 0.0)
@@ -408,14 +405,15 @@ def test_every_product_path_is_exact_for_sizes_off_the_kernel_blocks(k):
 
 
 @pytest.mark.parametrize("tile", [None, 64])
-def test_nf4_at_batch_one_takes_the_select_lookup_kernel(tile):
-    """Packed nf4 with a (K, N) weight and one activation row: no gather, exact lookup."""
+@pytest.mark.parametrize("rows", [1, 2, 8, 31])  # from 32 rows: dequantize first
+def test_packed_nf4_takes_the_select_lookup_kernels(tile, rows):
+    """Packed nf4 with a (K, N) weight: no gather, exact lookup, at one row or several."""
     tiles = {0: tile} if tile else ()
     how = qcore.HowToQuantize(
         qtype="nf4", channelwise_axes=(1,), tiled_axes=tiles, pack=True, pack_axis=0
     )
     q = qcore.quantize(W, how)
-    x = jax.random.normal(jax.random.key(3), (1, K))
+    x = jax.random.normal(jax.random.key(3), (rows, K))
     dims = (((1,), (0,)), ((), ()))
     assert kernels.fast_dot_general(x, q, dims, None) is not None
     with kernels.native_kernels(False):
@@ -424,8 +422,7 @@ def test_nf4_at_batch_one_takes_the_select_lookup_kernel(tile):
     y = np.asarray(lowered.compile()(x, q))
     ref = np.asarray(x, np.float64) @ np.asarray(qcore.dequantize(q), np.float64)
     assert float(np.max(np.abs(y - ref)) / np.max(np.abs(ref))) < 1e-6
-    # More rows, or an (N, K) weight, take the general path.
-    assert kernels.fast_dot_general(jnp.concatenate([x, x]), q, dims, None) is None
+    # An (N, K) weight takes the general path.
     qt = qcore.quantize(W.T, qcore.HowToQuantize(qtype="nf4", channelwise_axes=(0,), pack=True))
     assert kernels.fast_dot_general(x, qt, (((1,), (1,)), ((), ())), None) is None
 

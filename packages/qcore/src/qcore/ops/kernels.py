@@ -429,27 +429,33 @@ def int4_packed_weight_only(
     return ys.reshape(n, -1)[:, :m].T
 
 
-def codebook4_packed_weight_only(x, w_packed, w_scale, levels, *, group_size=None, block=None):
-    """``x @ (levels[codes] * scale)`` for one activation row, 4-bit codebook codes (nf4).
+def codebook4_packed_weight_only(
+    x, w_packed, w_scale, levels, *, group_size=None, block=None, precision="highest"
+):
+    """``x @ (levels[codes] * scale)`` for 4-bit codebook codes (nf4) stored ``(K/2, N)``.
 
     ``w_packed`` is ``(K/2, N)`` uint8 (qcore's packing along K: byte row ``i`` holds
-    the level indices of K rows ``2i``, low nibble, and ``2i + 1``, high nibble). The
-    same loop fusion as int4 at batch 1 (:func:`int4_packed_weight_only`), with each
-    nibble looked up in ``levels`` by a tree of selects on its four bits inside the
-    fusion, where the general path gathers the whole weight (``jnp.take``) before a
-    float dot (5.2× slower on the Flax PTQ stack: ``benchmarks/README.md``).
+    the level indices of K rows ``2i``, low nibble, and ``2i + 1``, high nibble). Each
+    nibble is looked up in ``levels`` by a tree of selects on its four bits, where the
+    general path gathers the whole weight (``jnp.take``) before a float dot (5.2×
+    slower at batch 1 on the Flax PTQ stack: ``benchmarks/README.md``). One
+    activation row takes the same loop fusion as int4 at batch 1
+    (:func:`int4_packed_weight_only`; qkernels' lookup kernel where installed), more
+    rows int4's scan over K blocks, each block looked up and then multiplied in
+    float32 (bf16 above 16 rows with ``precision="bf16"``).
 
     Args:
-        x: ``(1, K)`` activations.
+        x: ``(M, K)`` activations.
         w_packed: ``(K/2, N)`` packed level indices.
         w_scale: ``(1, N)`` per-column scales or ``(K // group_size, N)`` group scales.
         levels: The 16 levels (a tuple of floats, static).
         group_size: K rows per group scale, or None.
-        block: Packed rows per partial row (default: the largest power of two up to 8
-            dividing K/2 and each group's K/2).
+        block: Packed rows per partial row at batch 1 (default: the largest power of two
+            up to 8 dividing K/2 and each group's K/2), K rows per scan block above.
+        precision: ``"highest"`` or ``"high"`` (float32 blocks) or ``"bf16"``.
 
     Returns:
-        ``(1, N)`` float32.
+        ``(M, N)`` float32.
 
     Example:
         >>> import jax.numpy as jnp
@@ -459,10 +465,12 @@ def codebook4_packed_weight_only(x, w_packed, w_scale, levels, *, group_size=Non
         >>> kernels.codebook4_packed_weight_only(jnp.ones((1, 4)), w, jnp.ones((1, 3)), levels)
         Array([[16., 16., 16.]], dtype=float32)
     """
-    k = x.shape[1]
+    m, k = x.shape
+    x = x.astype(f32)
+    if m != 1:
+        return _int4_kn(x, w_packed, w_scale, group_size, precision, block, levels)
     span = k // 2 if group_size is None else math.gcd(k // 2, group_size // 2)
     bk = block or _pick_block(span, 8)
-    x = x.astype(f32)
     native = _native_kernels() if w_scale.shape[0] == 1 else None
     if native is not None:  # (qkernels has no group scales)
         y = _native_call(
@@ -544,11 +552,12 @@ def _int4_kn_m1(x, w_packed, w_scale, bk, levels=None):
     return y if w_scale is None else y * w_scale
 
 
-def _int4_kn(x, w_packed, w_scale, group_size, precision, block):
-    """(K/2, N) packed int4 fallback: a scan over K blocks.
+def _int4_kn(x, w_packed, w_scale, group_size, precision, block, levels=None):
+    """(K/2, N) packed int4 (or 4-bit codebook, ``levels``) fallback: a scan over K blocks.
 
-    Per block it unpacks the two nibble rows and contracts them with the even / odd
-    activation columns (no interleave).
+    Per block it decodes the two nibble rows (shifts, or the select lookup of
+    ``levels``) and contracts them with the even / odd activation columns (no
+    interleave).
     """
     m, k = x.shape
     n = w_packed.shape[1]
@@ -570,9 +579,13 @@ def _int4_kn(x, w_packed, w_scale, group_size, precision, block):
 
     def body(acc, a):
         xei, xoi, qi, si = a
-        lo, hi = _nibbles(qi)
-        lo = (lo.astype(f32) * si).astype(cdt)
-        hi = (hi.astype(f32) * si).astype(cdt)
+        if levels is None:
+            lo, hi = (v.astype(f32) for v in _nibbles(qi))
+        else:
+            v = qi.astype(i32)
+            lo, hi = _lookup4(v & 15, levels), _lookup4(v >> 4, levels)
+        lo = (lo * si).astype(cdt)
+        hi = (hi * si).astype(cdt)
         return acc + lax.dot(xei, lo, preferred_element_type=f32) + lax.dot(
             xoi, hi, preferred_element_type=f32
         ), None
@@ -744,7 +757,8 @@ def fast_dot_general(lhs, rhs, dims, precision):
     weight may be stored (K, N) ("kn") or (N, K) ("nk", faster: see the module
     docstring); a weight with more axes qualifies with one scale per output element
     (see ``_matrix_view``). A 4-bit codebook weight (nf4) packed along K qualifies
-    stored (K, N) with one activation row (:func:`codebook4_packed_weight_only`).
+    stored (K, N) with a static number of activation rows
+    (:func:`codebook4_packed_weight_only`).
     """
     from qcore.qarray import QArray  # local: kernels is imported by qarray users
 
@@ -772,16 +786,22 @@ def fast_dot_general(lhs, rhs, dims, precision):
     scale = (s if layout == "kn" else s.T).astype(f32)  # (groups, N)
     packing = rhs.packing
     packed4 = packing is not None and rhs.qtype.name == "int4"
+    prec = "highest" if precision in (None, "highest", lax.Precision.HIGHEST) else "high"
     if packing is not None and _codebook4(rhs) and not isinstance(lhs, QArray):
-        # 4-bit codebooks (nf4): one activation row and a (K/2, N) weight only.
+        # 4-bit codebooks (nf4): a (K/2, N) weight and a static number of rows only.
         m = math.prod(lhs.shape[: lhs.ndim - c])
-        if not isinstance(m, int) or m != 1 or layout != "kn" or packing.axis % 2 != 0:
+        if not isinstance(m, int) or layout != "kn" or packing.axis % 2 != 0:
             return None
         if k % 2 or (k // groups) % 2:
             return None
         group_size = k // groups if groups > 1 else None
         y = codebook4_packed_weight_only(
-            lhs.reshape(1, k), codes, scale, rhs.qtype.codebook, group_size=group_size
+            lhs.reshape(m, k),
+            codes,
+            scale,
+            rhs.qtype.codebook,
+            group_size=group_size,
+            precision=prec,
         )
         return y.reshape(*lhs.shape[: lhs.ndim - c], *free)
     if packing is not None:
@@ -793,7 +813,6 @@ def fast_dot_general(lhs, rhs, dims, precision):
     m = 1
     for d in lead:
         m *= d
-    prec = "highest" if precision in (None, "highest", lax.Precision.HIGHEST) else "high"
     if not isinstance(lhs, QArray) and not isinstance(m, int):
         return None  # a symbolic batch: the weight-only kernels branch on the row count
     if isinstance(lhs, QArray):
