@@ -190,16 +190,19 @@ def build(session: nox.Session) -> None:
 
     Every package's wheel goes into a fresh virtual environment (under .nox/wheel-<name>)
     with only the wheels of the local packages it depends on, then
-    ``packaging/smoke.py <name>`` imports it from there and runs a small example.
+    ``packaging/smoke.py <name>`` imports it from there and runs a small example. The
+    optional qkernels is built too (a C++17 compiler is needed) and smoke-tested with
+    qcore's wheel, which calls it.
     """
     session.install("build")
     dist = os.path.abspath("dist")
     session.run("python", "-c", f"import shutil; shutil.rmtree({dist!r}, ignore_errors=True)")
-    for package in PACKAGES:
+    built = {**PACKAGES, "qkernels": ["qcore"]}
+    for package in built:
         session.run("python", "-m", "build", "--outdir", dist, f"packages/{package}")
     if not os.path.isdir(dist):  # --install-only: nothing was built
         return
-    for package, deps in PACKAGES.items():
+    for package, deps in built.items():
         venv = os.path.abspath(os.path.join(".nox", f"wheel-{package}"))
         session.run("python", "-m", "venv", "--clear", venv)
         python = os.path.join(venv, "bin", "python")

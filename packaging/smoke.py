@@ -1,7 +1,8 @@
 """Smoke examples run against installed wheels (``nox -s build``), one per package.
 
 Run as ``python packaging/smoke.py <package>`` in an environment where only that
-package's wheel (and the wheels of the local packages it depends on) are installed:
+package's wheel (and the wheels of the local packages it depends on, or for the
+optional qkernels, of qcore, which calls it) are installed:
 it checks that the import comes from site-packages, not from this checkout, and runs
 a small end-to-end example whose result it asserts.
 """
@@ -93,13 +94,35 @@ def qort_smoke() -> None:
     assert float(np.max(np.abs(y - ref))) < 1e-2 * float(np.max(np.abs(ref)))
 
 
+def qkernels_smoke() -> None:
+    import jax  # noqa: PLC0415
+    import jax.numpy as jnp  # noqa: PLC0415
+
+    import qkernels  # noqa: F401, PLC0415
+    from qcore.ops import kernels  # noqa: PLC0415
+
+    # qcore calls the installed kernels, and they give its pure-XLA path's bits.
+    x = jax.random.normal(jax.random.key(0), (1, 64))
+    w = jax.random.randint(jax.random.key(1), (64, 48), -128, 128).astype(jnp.int8)
+    s = jnp.full((1, 48), 0.01) + jnp.arange(48) * 1e-3
+    b = jax.random.normal(jax.random.key(2), (48,))
+    outs = []
+    for native in (True, False):
+        with kernels.native_kernels(native):
+            lowered = jax.jit(lambda x: kernels.int8_weight_only(x, w, s, layout="kn") + b).lower(x)
+        assert ("qkernels_" in lowered.as_text()) == native
+        outs.append(np.asarray(lowered.compile()(x)))
+    np.testing.assert_array_equal(outs[0], outs[1])
+
+
 def main(package: str) -> int:
     module = importlib.import_module(package)
     location = Path(module.__file__ or "").resolve()
     sources = Path(__file__).resolve().parent.parent / "packages"
     assert "site-packages" in location.parts and sources not in location.parents, location
     {"qcore": qcore_smoke, "qflax": qflax_smoke, "qlitert": qlitert_smoke,
-     "qtorchlike": qtorchlike_smoke, "qort": qort_smoke}[package]()  # fmt: skip
+     "qtorchlike": qtorchlike_smoke, "qort": qort_smoke,
+     "qkernels": qkernels_smoke}[package]()  # fmt: skip
     print(f"{package} {module.__version__} from {location.parent}: smoke example passed")
     return 0
 
