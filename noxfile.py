@@ -191,8 +191,8 @@ def build(session: nox.Session) -> None:
     Every package's wheel goes into a fresh virtual environment (under .nox/wheel-<name>)
     with only the wheels of the local packages it depends on, then
     ``packaging/smoke.py <name>`` imports it from there and runs a small example. The
-    optional qkernels is built too (a C++17 compiler is needed) and smoke-tested with
-    qcore's wheel, which calls it.
+    optional qkernels is built too (a C++17 compiler and Python's development headers
+    are needed) and smoke-tested with qcore's wheel, which calls it.
     """
     session.install("build")
     dist = os.path.abspath("dist")
@@ -242,6 +242,8 @@ def bench(session: nox.Session) -> None:
     args = session.posargs or ["--readme"]
     for script in ("ops.py", "flax_ptq.py", "decode.py", "int8_gemm.py"):
         session.run("python", f"benchmarks/{script}", *args)
+    for batch in ("4", "8"):  # decode.py's tables at a few rows per call
+        session.run("python", "benchmarks/decode.py", "--batch", batch, *args)
     # litert.py in three steps: build and export, the peer quantizes the same float files
     # in its own venv (the litert_peer session), then every file is measured in one run.
     session.run("python", "benchmarks/litert.py", "--export-for-peer", PEER_DIR)

@@ -1,4 +1,4 @@
-"""Decoding-shaped inference on this CPU: a chain of Flax Dense layers at batch 1.
+"""Decoding-shaped inference on this CPU: a chain of Flax Dense layers at small batches.
 
 The model is ``--layers`` (default 6) ``nn.Dense(4096)`` layers with relu between
 them (Linen; kernels stored ``(in, out)`` = ``(K, N)``, Flax's layout), the whole
@@ -208,13 +208,13 @@ def update_readme(data: dict[str, Any], path: Path) -> None:
     m = data["machine"]
     body = (
         measured_on(m, f"qflax {m['qflax']}, qkernels {m['qkernels']}, Qwix {m['qwix']}")
-        + f" {m['layers']} chained Dense(4096) layers at batch {m['batch']}; {m['reps']}"
+        + f" {m['layers']} chained Dense(4096) layers at batch {m.get('batch', 1)}; {m['reps']}"
         " interleaved"
         f" rounds, each timed call after {m['untimed']} untimed ones; medians with p10–p90;"
         " memory"
         f" bandwidth {data['bandwidth_gbs']:.1f} GB/s measured in the same run.\n\n" + table(data)
     )
-    replace_section(path, section(m["batch"]), body)
+    replace_section(path, section(m.get("batch", 1)), body)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -236,6 +236,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--untimed must be >= 1, got {args.untimed}")
     if args.batch < 1:
         parser.error(f"--batch must be >= 1, got {args.batch}")
+    name = section(args.batch)
+    if args.readme and f"<!-- {name}:begin -->" not in (HERE / "README.md").read_text():
+        parser.error(f"--batch {args.batch} with --readme: README.md has no '{name}' section")
     qwix = load_qwix(args.no_qwix)
     info = run_info(
         args.reps,
@@ -251,7 +254,6 @@ def main(argv: list[str] | None = None) -> int:
     rows = run(args.layers, args.reps, args.untimed, qwix, args.batch)
     data = {"machine": info, "bandwidth_gbs": gbs, "rows": rows}
     print(table(data))
-    name = section(args.batch)
     out = args.out or HERE / "results" / f"{name.replace('-', '_')}.json"
     publish(name, data, out, args.readme, update_readme)
     return 0

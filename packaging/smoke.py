@@ -98,6 +98,7 @@ def qkernels_smoke() -> None:
     import jax  # noqa: PLC0415
     import jax.numpy as jnp  # noqa: PLC0415
 
+    import qcore  # noqa: PLC0415
     import qkernels  # noqa: F401, PLC0415
     from qcore.ops import kernels  # noqa: PLC0415
 
@@ -110,6 +111,19 @@ def qkernels_smoke() -> None:
     for native in (True, False):
         with kernels.native_kernels(native):
             lowered = jax.jit(lambda x: kernels.int8_weight_only(x, w, s, layout="kn") + b).lower(x)
+        assert ("qkernels_" in lowered.as_text()) == native
+        outs.append(np.asarray(lowered.compile()(x)))
+    np.testing.assert_array_equal(outs[0], outs[1])
+    # and the 4-bit kernel, over a strip of 32 columns and a tail of 8.
+    w4 = qcore.quantize(
+        jax.random.normal(jax.random.key(3), (64, 40)),
+        qcore.HowToQuantize(qtype="int4", channelwise_axes=(1,), pack=True, pack_axis=0),
+    )
+    dims = (((1,), (0,)), ((), ()))
+    outs = []
+    for native in (True, False):
+        with kernels.native_kernels(native):
+            lowered = jax.jit(lambda x: qcore.dot_general(x, w4, dims)).lower(x)
         assert ("qkernels_" in lowered.as_text()) == native
         outs.append(np.asarray(lowered.compile()(x)))
     np.testing.assert_array_equal(outs[0], outs[1])

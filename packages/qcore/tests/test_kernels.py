@@ -440,3 +440,17 @@ def test_pairwise_sum_adds_in_its_documented_order(rows):
         expected = np.concatenate([pairs, expected[2 * half :]]) if len(expected) % 2 else pairs
     got = np.asarray(jax.jit(kernels._pairwise_sum)(jnp.asarray(v)))
     np.testing.assert_array_equal(got, expected)
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("qtype", ["int8", "int4", "nf4"])
+def test_an_empty_contraction_gives_zeros_like_jnp(qtype, rows):
+    """K = 0: the product is all zeros, as ``jnp.ones((M, 0)) @ jnp.zeros((0, N))``."""
+    how = qcore.HowToQuantize(qtype=qtype, channelwise_axes=(1,), pack=qtype != "int8")
+    q = qcore.quantize(jnp.zeros((0, 5)), how)
+    x = jnp.ones((rows, 0))
+    dims = (((1,), (0,)), ((), ()))
+    for native in (False, True):
+        with kernels.native_kernels(native):
+            y = jax.jit(lambda x, q: qcore.dot_general(x, q, dims))(x, q)
+        np.testing.assert_array_equal(np.asarray(y), np.zeros((rows, 5), np.float32))

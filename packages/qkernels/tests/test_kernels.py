@@ -222,6 +222,19 @@ def test_the_handler_checks_shapes_too():
         jax.block_until_ready(_calls._call("qkernels_int8_kn_batch1", x, w, 2))
 
 
+@pytest.mark.parametrize("kind", ["int8", "int4", "nf4"])
+def test_an_empty_weight_gives_zeros(kind):
+    """K = 0 (no weight rows): the sum of nothing, without reading past the buffers."""
+    w = jnp.zeros((0, 5), jnp.int8 if kind == "int8" else jnp.uint8)
+    x = jnp.ones((1, 0), jnp.float32)
+    call = {
+        "int8": lambda: qkernels.int8_kn_batch1(x, w, 16),
+        "int4": lambda: qkernels.int4_kn_batch1(x, w, 8),
+        "nf4": lambda: qkernels.codebook4_kn_batch1(x, w, 8, NF4),
+    }[kind]
+    np.testing.assert_array_equal(np.asarray(jax.jit(call)()), np.zeros((1, 5), np.float32))
+
+
 def test_public_api():
     """The names users may rely on (the repository pins the other packages' APIs)."""
     assert sorted(qkernels.__all__) == [

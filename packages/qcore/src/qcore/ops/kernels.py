@@ -442,7 +442,7 @@ def codebook4_packed_weight_only(
     activation row takes the same loop fusion as int4 at batch 1
     (:func:`int4_packed_weight_only`; qkernels' lookup kernel where installed), more
     rows int4's scan over K blocks, each block looked up and then multiplied in
-    float32 (bf16 above 16 rows with ``precision="bf16"``).
+    float32 (in bf16 with ``precision="bf16"``).
 
     Args:
         x: ``(M, K)`` activations.
@@ -778,6 +778,8 @@ def fast_dot_general(lhs, rhs, dims, precision):
     if view is None:
         return None
     codes, s, layout, k, free = view
+    if k == 0:  # an empty contraction: the general path gives zeros, as jnp does
+        return None
     k_axis, n_axis = (0, 1) if layout == "kn" else (1, 0)
     n = math.prod(free)
     groups = s.shape[k_axis]
