@@ -102,31 +102,27 @@ def qkernels_smoke() -> None:
     import qkernels  # noqa: F401, PLC0415
     from qcore.ops import kernels  # noqa: PLC0415
 
-    # qcore calls the installed kernels, and they give its pure-XLA path's bits.
+    def same_on_both_paths(f, x) -> None:
+        """qcore calls the installed kernels, and they give its pure-XLA path's bits."""
+        outs = []
+        for native in (True, False):
+            with kernels.native_kernels(native):  # a new function: jit caches traces per one
+                lowered = jax.jit(lambda x: f(x)).lower(x)
+            assert ("qkernels_" in lowered.as_text()) == native
+            outs.append(np.asarray(lowered.compile()(x)))
+        np.testing.assert_array_equal(outs[0], outs[1])
+
     x = jax.random.normal(jax.random.key(0), (1, 64))
     w = jax.random.randint(jax.random.key(1), (64, 48), -128, 128).astype(jnp.int8)
     s = jnp.full((1, 48), 0.01) + jnp.arange(48) * 1e-3
     b = jax.random.normal(jax.random.key(2), (48,))
-    outs = []
-    for native in (True, False):
-        with kernels.native_kernels(native):
-            lowered = jax.jit(lambda x: kernels.int8_weight_only(x, w, s, layout="kn") + b).lower(x)
-        assert ("qkernels_" in lowered.as_text()) == native
-        outs.append(np.asarray(lowered.compile()(x)))
-    np.testing.assert_array_equal(outs[0], outs[1])
-    # and the 4-bit kernel, over a strip of 32 columns and a tail of 8.
+    same_on_both_paths(lambda x: kernels.int8_weight_only(x, w, s, layout="kn") + b, x)
+    # The 4-bit kernel, over a strip of 32 columns and a tail of 8.
     w4 = qcore.quantize(
         jax.random.normal(jax.random.key(3), (64, 40)),
         qcore.HowToQuantize(qtype="int4", channelwise_axes=(1,), pack=True, pack_axis=0),
     )
-    dims = (((1,), (0,)), ((), ()))
-    outs = []
-    for native in (True, False):
-        with kernels.native_kernels(native):
-            lowered = jax.jit(lambda x: qcore.dot_general(x, w4, dims)).lower(x)
-        assert ("qkernels_" in lowered.as_text()) == native
-        outs.append(np.asarray(lowered.compile()(x)))
-    np.testing.assert_array_equal(outs[0], outs[1])
+    same_on_both_paths(lambda x: qcore.dot_general(x, w4, (((1,), (0,)), ((), ()))), x)
 
 
 def main(package: str) -> int:
