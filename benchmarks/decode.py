@@ -14,8 +14,8 @@ channel unless stated):
 * ``w8`` / ``w4`` / ``nf4``: int8 / packed int4 / packed nf4 weight-only, traced
   twice: on qcore's pure-XLA path and with the optional ``qkernels`` package's native
   kernels, which compute the same values bit for bit (checked here on every run);
-* ``w4 tiles 128``: int4 with one scale per 128 input rows (XLA path only: qkernels
-  has no group scales);
+* ``w4 tiles 128`` / ``nf4 tiles 64``: int4 with one scale per 128 input rows, nf4
+  with one per 64 (QLoRA's blocks), traced twice in the same way;
 * ``qwix w8`` / ``qwix w4``: the same rules with Qwix 0.1.8's ``PtqProvider``.
 
 Rounds call every configuration in turn; in each turn ``--untimed`` (default 3)
@@ -70,8 +70,9 @@ RULES: dict[str, dict[str, Any]] = {
     "w4": {"weight_qtype": "int4"},
     "w4 tiles 128": {"weight_qtype": "int4", "tile_size": 128},
     "nf4": {"weight_qtype": "nf4"},
+    "nf4 tiles 64": {"weight_qtype": "nf4", "tile_size": 64},
 }
-NATIVE = ("w8", "w4", "nf4")  # the configs qkernels covers
+NATIVE = ("w8", "w4", "w4 tiles 128", "nf4", "nf4 tiles 64")  # the configs qkernels covers
 QWIX_RULES = {"w8": {"weight_qtype": jnp.int8}, "w4": {"weight_qtype": jnp.int4}}
 
 

@@ -5,9 +5,9 @@ Each case traces the same qcore function twice, with the native kernels bypassed
 with ``np.testing.assert_array_equal``; a float64 product checks that both are the
 product at all. Shapes cover partial rows of 16 and of fewer weight rows (K with
 small divisors), an odd number of partial rows (the halving tree's carried row),
-column counts that are not a multiple of 8, group scales (which stay on the XLA
-path: the check is that nothing changes), and
-layers chained inside one jitted function, as a model runs them.
+column counts that are not a multiple of 8, group scales (tiles: each code
+multiplied by its scale before it is summed), and layers chained inside one jitted
+function, as a model runs them.
 """
 
 import os
@@ -105,14 +105,18 @@ CASES = [
     ("int8", 1536, 384, 1),
     ("int8", 11008, 256, 1),  # 688 partial rows: carries at several levels
     ("int4", 4096, 4096, 1),
-    ("int4", 4096, 4096, 32),  # group scales (tiles of 128): qcore keeps its XLA path
+    ("int4", 4096, 4096, 32),  # group scales (tiles of 128)
+    ("int4", 384, 1536, 3),  # tiles of 128 over 24 partial rows: carried rows
+    ("int4", 96, 72, 4),  # tiles of 24: 4 packed rows per partial row, a scalar tail
+    ("int4", 64, 48, 32),  # tiles of 2: one packed row per partial row
     ("int4", 6, 64, 1),
     ("int4", 384, 1536, 1),
     ("int4", 256, 192, 2),
     ("int4", 64, 48, 1),  # one strip of 32 columns (4-bit codes), then a scalar tail
     ("int4", 2, 200, 1),  # one packed row: the strip's first row is also its last
     ("nf4", 4096, 4096, 1),
-    ("nf4", 4096, 4096, 64),  # tiles of 64 (QLoRA's): the XLA path
+    ("nf4", 4096, 4096, 64),  # tiles of 64 (QLoRA's)
+    ("nf4", 256, 130, 4),  # tiles of 64 and a scalar tail
     ("nf4", 6, 64, 1),
     ("nf4", 384, 1536, 1),
     ("nf4", 256, 130, 1),
@@ -124,7 +128,7 @@ CASES = [
 def test_native_equals_xla_bit_for_bit(kind, k, n, groups):
     w, s, f = _layer(kind, k, n, groups)
     x = jnp.asarray(RNG.standard_normal((1, k)), jnp.float32)
-    xla, native = _both(f, x, w, s, calls=groups == 1)
+    xla, native = _both(f, x, w, s)
     np.testing.assert_array_equal(native, xla)
     scale = np.repeat(np.asarray(s, np.float64), k // groups, 0) if groups > 1 else np.asarray(s)
     ref = np.asarray(x, np.float64) @ (_codes(w, k, kind) * scale)
@@ -150,12 +154,15 @@ def test_chained_layers_equal_bit_for_bit(kind):
     np.testing.assert_array_equal(native, xla)
 
 
-@pytest.mark.parametrize("kind", ["int8", "int4", "nf4"])
-def test_flax_layers_with_biases_equal_bit_for_bit(kind):
+@pytest.mark.parametrize(
+    ("kind", "tile"), [("int8", None), ("int4", None), ("nf4", None), ("int4", 32), ("nf4", 64)]
+)
+def test_flax_layers_with_biases_equal_bit_for_bit(kind, tile):
     """Dense layers with random biases and a residual add, quantized by qflax.
 
     XLA fuses an add that follows the scale multiply into one fused multiply-add; a
-    zero bias (Flax's default) hides a kernel that rounds the product first.
+    zero bias (Flax's default) hides a kernel that rounds the product first. With
+    ``tile`` the weights have one scale per ``tile`` input rows (group scales).
     """
 
     class Block(nn.Module):
@@ -167,7 +174,7 @@ def test_flax_layers_with_biases_equal_bit_for_bit(kind):
 
     x = jnp.asarray(RNG.standard_normal((1, 128)), jnp.float32)
     params = Block().init(jax.random.key(0), x)["params"]
-    rule = qflax.QuantizationRule(weight_qtype=kind)
+    rule = qflax.QuantizationRule(weight_qtype=kind, tile_size=tile)
     qmodel = qflax.quantize_model(Block(), qflax.PtqProvider([rule]))
     abstract = jax.eval_shape(qmodel.init, jax.random.key(0), x)["params"]
     qparams = qflax.quantize_params(params, abstract)
@@ -220,6 +227,10 @@ def test_the_handler_checks_shapes_too():
     w = jnp.ones((6, 4), jnp.int8)
     with pytest.raises(Exception, match=r"x has 8 elements, w is \(6, 4\)"):
         jax.block_until_ready(_calls._call("qkernels_int8_kn_batch1", x, w, 2))
+    packed, scales = jnp.ones((4, 4), jnp.uint8), jnp.ones((3, 4), jnp.float32)
+    with pytest.raises(Exception, match=r"scales must be \(G, 4\) with G dividing the 2"):
+        target = "qkernels_int4_kn_batch1_groups"
+        jax.block_until_ready(_calls._call(target, x, packed, 2, scales))
 
 
 @pytest.mark.parametrize("kind", ["int8", "int4", "nf4"])
@@ -249,11 +260,17 @@ def test_public_api():
     ]
 
 
-@pytest.mark.parametrize("kind", ["int8", "int4", "nf4"])
-def test_gradients_are_those_of_the_xla_path(kind):
-    """jax.grad, jvp and vmap(grad) through a covered product work as without qkernels."""
+@pytest.mark.parametrize(
+    ("kind", "groups"), [("int8", 1), ("int4", 1), ("nf4", 1), ("int4", 4), ("nf4", 2)]
+)
+def test_gradients_are_those_of_the_xla_path(kind, groups):
+    """jax.grad, jvp and vmap(grad) through a covered product work as without qkernels.
+
+    With group scales the gradient with respect to the scales goes through the kernel
+    call too (the scales are one of its operands).
+    """
     k, n = 64, 32
-    w, s, f = _layer(kind, k, n, 1)
+    w, s, f = _layer(kind, k, n, groups)
     x = jnp.asarray(RNG.standard_normal((1, k)), jnp.float32)
 
     def loss(x, s):
@@ -288,6 +305,38 @@ def test_bad_arguments_are_refused_when_traced(args, message):
     call.update(args)
     with pytest.raises(ValueError, match=message):
         jax.jit(lambda x, w: qkernels.int8_kn_batch1(x, w, call["bk"])).lower(call["x"], call["w"])
+
+
+def test_group_scales_scale_each_code():
+    """Called directly: two groups of two packed rows, against the sums worked by hand."""
+    x = jnp.asarray([[1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0]])
+    # packed rows 0-3 (K rows 0-7) of two columns: low nibble first; 0xF1 = (1, -1)
+    w = jnp.asarray([[0xF1, 0x21]] * 4, jnp.uint8)
+    scales = jnp.asarray([[2.0, 10.0], [0.5, 1.0]])
+    y = qkernels.int4_kn_batch1(x, w, 2, scales=scales)
+    # column 0: codes (1, -1) per packed row; column 1: codes (1, 2)
+    col0 = 2.0 * (1 - 2 + 3 - 4) + 0.5 * (5 - 6 + 7 - 8)
+    col1 = 10.0 * (1 + 4 + 3 + 8) + 1.0 * (5 + 12 + 7 + 16)
+    np.testing.assert_array_equal(np.asarray(y), [[col0, col1]])
+    levels = tuple(float(v) for v in range(-8, 8))  # level i is the int4 code i ^ 8 - 8 ...
+    moved = jnp.asarray(np.asarray(w) ^ 0x88, jnp.uint8)  # ... so flipping bit 3 matches int4
+    y4 = qkernels.codebook4_kn_batch1(x, moved, 2, levels, scales=scales)
+    np.testing.assert_array_equal(np.asarray(y4), [[col0, col1]])
+
+
+@pytest.mark.parametrize(
+    ("scales", "message"),
+    [
+        (jnp.ones((3, 8)), r"scales: shape \(3, 8\); allowed: \(G, 8\) with G dividing the 4"),
+        (jnp.ones((2, 7)), r"scales: shape \(2, 7\)"),
+        (jnp.ones((8,)), r"scales: shape \(8,\)"),
+        (jnp.ones((2, 8), jnp.int32), "scales: int32; allowed: a floating dtype"),
+    ],
+)
+def test_bad_group_scales_are_refused(scales, message):
+    x, w = jnp.ones((1, 64)), jnp.ones((32, 8), jnp.uint8)
+    with pytest.raises(ValueError, match=message):
+        qkernels.int4_kn_batch1(x, w, 8, scales=scales)
 
 
 def test_codebook_needs_sixteen_levels():

@@ -39,6 +39,24 @@ def _check(x, w, bk, w_dtype, codes_per_byte: int) -> None:
         raise ValueError(f"bk={bk!r}; allowed: a positive int dividing w's {rows} rows")
 
 
+def _group_scales(scales, w, bk: int):
+    """``scales`` as float32 after checking it is ``(G, N)`` with G dividing the partial rows.
+
+    Raises ValueError naming the argument, its value and what is allowed.
+    """
+    rows, n = w.shape
+    partial = rows // bk
+    shape = tuple(jnp.shape(scales))
+    if not jnp.issubdtype(jnp.result_type(scales), jnp.floating):
+        raise ValueError(f"scales: {jnp.result_type(scales)}; allowed: a floating dtype")
+    if len(shape) != 2 or shape[1] != n or shape[0] < 1 or partial % shape[0]:
+        raise ValueError(
+            f"scales: shape {shape}; allowed: (G, {n}) with G dividing the {partial} "
+            f"partial rows (w's {rows} rows / bk={bk})"
+        )
+    return jnp.asarray(scales).astype(jnp.float32)
+
+
 def _call(target: str, x, w, bk: int, *extra):
     _registered()
     n = w.shape[1]
@@ -48,10 +66,12 @@ def _call(target: str, x, w, bk: int, *extra):
     )
 
 
-# Why the kernels leave the scales to the caller: XLA fuses a scale multiply with an
-# add that follows it (a layer's bias, a residual) into one fused multiply-add. A
-# kernel that multiplied by the scale itself would round that product first, and the
-# model's outputs would differ from qcore's XLA path in the last bit.
+# Why the kernels leave per-column scales to the caller: XLA fuses a scale multiply
+# with an add that follows it (a layer's bias, a residual) into one fused
+# multiply-add. A kernel that multiplied by the scale itself would round that product
+# first, and the model's outputs would differ from qcore's XLA path in the last bit.
+# Group scales are different: on qcore's path each code is multiplied by its scale,
+# rounded, before it enters the sums, so the kernels apply those.
 
 
 def int8_kn_batch1(x, w, bk: int):
@@ -76,18 +96,20 @@ def int8_kn_batch1(x, w, bk: int):
     return _call("qkernels_int8_kn_batch1", x, w, bk)
 
 
-def int4_kn_batch1(x, w, bk: int):
-    """``x @ codes`` for one activation row and int4 codes packed along K, unscaled.
+def int4_kn_batch1(x, w, bk: int, *, scales=None):
+    """``x @ codes`` for one activation row and int4 codes packed along K.
 
     ``w`` is ``(K/2, N)`` uint8, byte row ``i`` holding K rows ``2i`` (low nibble) and
     ``2i + 1`` (high nibble), qcore's packing. The value of qcore's pure-XLA
-    formulation before its per-column scale, bit for bit (qcore keeps group scales on
-    its XLA path).
+    formulation, bit for bit: unscaled (qcore multiplies by per-column scales after),
+    or with group scales, each code multiplied by its scale before it is summed.
 
     Args:
         x: ``(1, K)`` float32 activations.
         w: ``(K/2, N)`` packed codes.
         bk: Packed rows per partial row (divides K/2).
+        scales: None, or ``(G, N)`` group scales (tiles of ``K / G`` weight rows; G
+            divides the ``K / 2 / bk`` partial rows).
 
     Returns:
         ``(1, N)`` float32.
@@ -96,21 +118,24 @@ def int4_kn_batch1(x, w, bk: int):
         ValueError: If an argument's dtype, shape or value is not the one allowed.
     """
     _check(x, w, bk, jnp.uint8, 2)
-    return _call("qkernels_int4_kn_batch1", x, w, bk)
+    if scales is None:
+        return _call("qkernels_int4_kn_batch1", x, w, bk)
+    return _call("qkernels_int4_kn_batch1_groups", x, w, bk, _group_scales(scales, w, bk))
 
 
-def codebook4_kn_batch1(x, w, bk: int, levels):
-    """``x @ levels[codes]`` for one activation row, 4-bit codebook codes (nf4), unscaled.
+def codebook4_kn_batch1(x, w, bk: int, levels, *, scales=None):
+    """``x @ levels[codes]`` for one activation row, 4-bit codebook codes (nf4).
 
     ``w`` is packed as for :func:`int4_kn_batch1`, each nibble an index into the 16
-    ``levels``. The value of qcore's pure-XLA formulation before its per-column
-    scale, bit for bit.
+    ``levels``. The value of qcore's pure-XLA formulation, bit for bit: unscaled, or
+    with group scales as for :func:`int4_kn_batch1`.
 
     Args:
         x: ``(1, K)`` float32 activations.
         w: ``(K/2, N)`` packed level indices.
         bk: Packed rows per partial row (divides K/2).
         levels: The 16 levels (a sequence of floats or a ``(16,)`` array).
+        scales: None, or ``(G, N)`` group scales (see :func:`int4_kn_batch1`).
 
     Returns:
         ``(1, N)`` float32.
@@ -122,7 +147,10 @@ def codebook4_kn_batch1(x, w, bk: int, levels):
     table = jnp.asarray(levels, jnp.float32)
     if table.shape != (16,):
         raise ValueError(f"levels: shape {table.shape}; allowed: 16 levels")
-    return _call("qkernels_codebook4_kn_batch1", x, w, bk, table)
+    if scales is None:
+        return _call("qkernels_codebook4_kn_batch1", x, w, bk, table)
+    scales = _group_scales(scales, w, bk)
+    return _call("qkernels_codebook4_kn_batch1_groups", x, w, bk, table, scales)
 
 
 def vnni() -> bool:

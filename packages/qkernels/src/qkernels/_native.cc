@@ -58,7 +58,17 @@ struct Operands {
   int64_t n;            // columns
   int64_t bk;           // weight rows (4-bit: packed rows) per partial row
   const float* levels;  // the 16 codebook levels (kCodebook4), else null
+  const float* scales;  // (G, N) group scales of 4-bit codes, or null (sums unscaled)
+  int64_t group_rows;   // partial rows per group (row p takes scale row p / group_rows)
 };
+
+// With group scales each code's value is multiplied by its scale (rounded) before it
+// enters the sums: the term is x * (code * scale), as in qcore. (Scaling the partial
+// rows instead would be cheaper, but XLA fuses that multiply into the tree's first
+// add for some shapes and not for others, so no kernel could match it.)
+inline const float* ScaleRow(const Operands& a, int64_t p) {
+  return a.scales ? a.scales + (p / a.group_rows) * a.n : nullptr;
+}
 
 // The value of a 4-bit code.
 template <Codes kCodes>
@@ -75,6 +85,7 @@ inline void Term(const Operands& a, int64_t p, int64_t t, int64_t c, float* xv, 
     uint8_t b = a.w[r * a.n + c];
     *xv = a.x[2 * r + (t % 2)];
     *wv = Nibble<kCodes>(a, t % 2 ? b >> 4 : b & 15);
+    if (const float* scale = ScaleRow(a, p)) *wv = *wv * scale[c];
   } else {
     int64_t r = p * a.bk + t;
     *xv = a.x[r];
@@ -157,22 +168,43 @@ __attribute__((target("avx2,fma"))) inline __m256 NibbleAt(__m256i v, __m256 tab
 }
 
 // Column 4l + kB of the packed row in `v` (the lanes above): its two terms added to o
-// as in PartialScalar, the low code's term first.
-template <Codes kCodes, int kB>
+// as in PartialScalar, the low code's term first; with kScaled each code's value times
+// `scale` (that column's group scale in lane l) first.
+template <Codes kCodes, bool kScaled, int kB>
 __attribute__((target("avx2,fma"))) inline __m256 Step4(bool first, __m256 o, __m256i v,
                                                          __m256 xl, __m256 xh, __m256 table_lo,
-                                                         __m256 table_hi) {
-  const __m256 lo = NibbleAt<kCodes, 2 * kB>(v, table_lo, table_hi);
-  const __m256 hi = NibbleAt<kCodes, 2 * kB + 1>(v, table_lo, table_hi);
+                                                         __m256 table_hi, __m256 scale) {
+  __m256 lo = NibbleAt<kCodes, 2 * kB>(v, table_lo, table_hi);
+  __m256 hi = NibbleAt<kCodes, 2 * kB + 1>(v, table_lo, table_hi);
+  if (kScaled) {
+    lo = _mm256_mul_ps(lo, scale);
+    hi = _mm256_mul_ps(hi, scale);
+  }
   return first ? _mm256_fmadd_ps(xl, lo, _mm256_mul_ps(xh, hi))
                : _mm256_fmadd_ps(xh, hi, _mm256_fmadd_ps(xl, lo, o));
 }
 
 constexpr int64_t kStrip4 = 32;  // columns of 4-bit codes summed in registers at a time
 
+// The 32 floats from `s` (columns 0..31 of a strip) in the lane order of the 4-bit
+// code: column 4l + b in lane l of sv[b] (the inverse of FourBitAvx2's store).
+__attribute__((target("avx2,fma"))) inline void InLanes(const float* s, __m256* sv) {
+  const __m256 a0 = _mm256_loadu_ps(s), a1 = _mm256_loadu_ps(s + 8);
+  const __m256 a2 = _mm256_loadu_ps(s + 16), a3 = _mm256_loadu_ps(s + 24);
+  // b0..b3: lanes (0, 4), (1, 5), (2, 6), (3, 7), then a 4 x 4 transpose in each half.
+  const __m256 b0 = _mm256_permute2f128_ps(a0, a2, 0x20), b1 = _mm256_permute2f128_ps(a0, a2, 0x31);
+  const __m256 b2 = _mm256_permute2f128_ps(a1, a3, 0x20), b3 = _mm256_permute2f128_ps(a1, a3, 0x31);
+  const __m256 t0 = _mm256_unpacklo_ps(b0, b1), t1 = _mm256_unpackhi_ps(b0, b1);
+  const __m256 t2 = _mm256_unpacklo_ps(b2, b3), t3 = _mm256_unpackhi_ps(b2, b3);
+  sv[0] = _mm256_shuffle_ps(t0, t2, 0x44);
+  sv[1] = _mm256_shuffle_ps(t0, t2, 0xEE);
+  sv[2] = _mm256_shuffle_ps(t1, t3, 0x44);
+  sv[3] = _mm256_shuffle_ps(t1, t3, 0xEE);
+}
+
 // Partial row p over kStrip4 columns from c0 for 4-bit codes. o[b] sums column
 // 4l + b in lane l; a 4 x 8 transpose puts the columns back in order for the store.
-template <Codes kCodes>
+template <Codes kCodes, bool kScaled>
 __attribute__((target("avx2,fma"))) void FourBitAvx2(const Operands& a, int64_t p, int64_t c0,
                                                      float* out) {
   __m256 table_lo = _mm256_setzero_ps(), table_hi = _mm256_setzero_ps();
@@ -180,16 +212,18 @@ __attribute__((target("avx2,fma"))) void FourBitAvx2(const Operands& a, int64_t 
     table_lo = _mm256_loadu_ps(a.levels);
     table_hi = _mm256_loadu_ps(a.levels + 8);
   }
+  __m256 sv[4] = {table_lo, table_lo, table_lo, table_lo};  // (unused unless kScaled)
+  if (kScaled) InLanes(ScaleRow(a, p) + c0, sv);
   __m256 o0 = _mm256_setzero_ps(), o1 = o0, o2 = o0, o3 = o0;
   for (int64_t j = 0; j < a.bk; ++j) {
     const int64_t r = p * a.bk + j;
     const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.w + r * a.n + c0));
     const __m256 xl = _mm256_set1_ps(a.x[2 * r]), xh = _mm256_set1_ps(a.x[2 * r + 1]);
     const bool first = j == 0;
-    o0 = Step4<kCodes, 0>(first, o0, v, xl, xh, table_lo, table_hi);
-    o1 = Step4<kCodes, 1>(first, o1, v, xl, xh, table_lo, table_hi);
-    o2 = Step4<kCodes, 2>(first, o2, v, xl, xh, table_lo, table_hi);
-    o3 = Step4<kCodes, 3>(first, o3, v, xl, xh, table_lo, table_hi);
+    o0 = Step4<kCodes, kScaled, 0>(first, o0, v, xl, xh, table_lo, table_hi, sv[0]);
+    o1 = Step4<kCodes, kScaled, 1>(first, o1, v, xl, xh, table_lo, table_hi, sv[1]);
+    o2 = Step4<kCodes, kScaled, 2>(first, o2, v, xl, xh, table_lo, table_hi, sv[2]);
+    o3 = Step4<kCodes, kScaled, 3>(first, o3, v, xl, xh, table_lo, table_hi, sv[3]);
   }
   // t0..t3 pair the accumulators' lanes; u0..u3 hold lanes (0, 4), (1, 5), (2, 6), (3, 7)
   // of all four, i.e. columns 0-3 | 16-19, 4-7 | 20-23, 8-11 | 24-27, 12-15 | 28-31.
@@ -213,7 +247,8 @@ template <Codes kCodes>
 __attribute__((target("avx2,fma"))) void StripAvx2(const Operands& a, int64_t p, int64_t c0,
                                                    float* out) {
   if (kCodes == Codes::kInt8) return Int8Avx2(a, p, c0, out);
-  FourBitAvx2<kCodes>(a, p, c0, out);
+  if (a.scales) return FourBitAvx2<kCodes, true>(a, p, c0, out);
+  FourBitAvx2<kCodes, false>(a, p, c0, out);
 }
 
 #endif
@@ -306,9 +341,12 @@ float* ScratchRows(const Tree& tree, int64_t n) {
 // the columns: each evaluates the subtrees below one node near the root over all
 // columns, so it reads whole contiguous blocks of weight rows (splitting the columns
 // made every thread read short pieces of every row: about 60 % of the speed).
+// Group scales (`scales`, G x N floats, G dividing the partial rows) are applied to
+// each code as it is read (see ScaleRow), so the result is then scaled.
 template <Codes kCodes>
 ffi::Error KnBatch1(ffi::ThreadPool pool, ffi::AnyBuffer x_buf, ffi::AnyBuffer w_buf,
-                    ffi::Result<ffi::Buffer<ffi::F32>> y, int64_t bk, const float* levels) {
+                    ffi::Result<ffi::Buffer<ffi::F32>> y, int64_t bk, const float* levels,
+                    const ffi::Buffer<ffi::F32>* scales = nullptr) {
   auto wd = w_buf.dimensions();
   if (wd.size() != 2 || x_buf.element_type() != ffi::F32)
     return ffi::Error::InvalidArgument("qkernels: expected x f32, w (rows, N)");
@@ -320,8 +358,22 @@ ffi::Error KnBatch1(ffi::ThreadPool pool, ffi::AnyBuffer x_buf, ffi::AnyBuffer w
         "qkernels: inconsistent shapes: x has " + std::to_string(x_buf.element_count()) +
         " elements, w is (" + std::to_string(k_rows) + ", " + std::to_string(n) +
         "), bk is " + std::to_string(bk) + "; allowed: x (1, K), bk dividing w's rows");
+  int64_t groups = 1;
+  if (scales) {
+    auto sd = scales->dimensions();
+    groups = sd.size() == 2 ? sd[0] : 0;
+    if (sd.size() != 2 || sd[1] != n || groups < 1 || (k_rows / bk) % groups)
+      return ffi::Error::InvalidArgument(
+          "qkernels: scales must be (G, " + std::to_string(n) +
+          ") with G dividing the " + std::to_string(k_rows / bk) + " partial rows");
+  }
   const Operands a{static_cast<const float*>(x_buf.untyped_data()),
-                   static_cast<const uint8_t*>(w_buf.untyped_data()), n, bk, levels};
+                   static_cast<const uint8_t*>(w_buf.untyped_data()),
+                   n,
+                   bk,
+                   levels,
+                   scales ? scales->typed_data() : nullptr,
+                   k_rows / bk / groups};
   float* out = y->typed_data();
   if (k_rows == 0) {  // an empty sum
     std::fill(out, out + n, 0.0f);
@@ -371,6 +423,24 @@ ffi::Error Codebook4KnBatch1(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuf
       [&] { return KnBatch1<Codes::kCodebook4>(pool, x, w, y, bk, levels.typed_data()); });
 }
 
+ffi::Error Int4KnBatch1Groups(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
+                              ffi::Buffer<ffi::F32> scales, ffi::Result<ffi::Buffer<ffi::F32>> y,
+                              int64_t bk) {
+  if (w.element_type() != ffi::U8) return ffi::Error::InvalidArgument("qkernels: w must be uint8");
+  return Guarded([&] { return KnBatch1<Codes::kInt4>(pool, x, w, y, bk, nullptr, &scales); });
+}
+
+ffi::Error Codebook4KnBatch1Groups(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
+                                   ffi::Buffer<ffi::F32> levels, ffi::Buffer<ffi::F32> scales,
+                                   ffi::Result<ffi::Buffer<ffi::F32>> y, int64_t bk) {
+  if (w.element_type() != ffi::U8) return ffi::Error::InvalidArgument("qkernels: w must be uint8");
+  if (levels.element_count() != 16)
+    return ffi::Error::InvalidArgument("qkernels: a 4-bit codebook has 16 levels");
+  return Guarded([&] {
+    return KnBatch1<Codes::kCodebook4>(pool, x, w, y, bk, levels.typed_data(), &scales);
+  });
+}
+
 }  // namespace
 
 #define QK_BIND(...)                                                                   \
@@ -381,6 +451,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(QkInt8KnBatch1, Int8KnBatch1, QK_BIND());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(QkInt4KnBatch1, Int4KnBatch1, QK_BIND());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(QkCodebook4KnBatch1, Codebook4KnBatch1,
                               QK_BIND(.Arg<ffi::Buffer<ffi::F32>>()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(QkInt4KnBatch1Groups, Int4KnBatch1Groups,
+                              QK_BIND(.Arg<ffi::Buffer<ffi::F32>>()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(QkCodebook4KnBatch1Groups, Codebook4KnBatch1Groups,
+                              QK_BIND(.Arg<ffi::Buffer<ffi::F32>>().Arg<ffi::Buffer<ffi::F32>>()));
 
 }  // namespace qkernels
 
@@ -390,6 +464,9 @@ static PyObject* Handlers(PyObject*, PyObject*) {
       {"qkernels_int8_kn_batch1", reinterpret_cast<void*>(qkernels::QkInt8KnBatch1)},
       {"qkernels_int4_kn_batch1", reinterpret_cast<void*>(qkernels::QkInt4KnBatch1)},
       {"qkernels_codebook4_kn_batch1", reinterpret_cast<void*>(qkernels::QkCodebook4KnBatch1)},
+      {"qkernels_int4_kn_batch1_groups", reinterpret_cast<void*>(qkernels::QkInt4KnBatch1Groups)},
+      {"qkernels_codebook4_kn_batch1_groups",
+       reinterpret_cast<void*>(qkernels::QkCodebook4KnBatch1Groups)},
       {"qkernels_int8_gemm", reinterpret_cast<void*>(QkInt8Gemm)},
       {"qkernels_w8a8", reinterpret_cast<void*>(QkW8a8)},
   };

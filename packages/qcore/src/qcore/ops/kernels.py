@@ -366,16 +366,16 @@ def int4_packed_weight_only(
             # bk packed rows per partial sum must divide K/2 and each group's K/2.
             span = k // 2 if group_size is None else math.gcd(k // 2, group_size // 2)
             bk = block or _pick_block(span, 8)
-            native = _native_kernels() if w_scale.shape[0] == 1 else None
-            if native is not None:  # (qkernels has no group scales)
-                y = _native_call(
-                    lambda x, w: native.int4_kn_batch1(x, w, bk),
-                    lambda x, w: _int4_kn_m1(x, w, None, bk),
-                    x,
-                    w_packed,
-                )
-                return y * w_scale
-            return _int4_kn_m1(x, w_packed, w_scale, bk)
+            native = _native_kernels()
+            if native is None:
+                return _int4_kn_m1(x, w_packed, w_scale, bk)
+            return _native_batch1(
+                lambda x, w, **s: native.int4_kn_batch1(x, w, bk, **s),
+                lambda x, w, s: _int4_kn_m1(x, w, s, bk),
+                x,
+                w_packed,
+                w_scale,
+            )
         return _int4_kn(x, w_packed, w_scale, group_size, precision, block)
     n = w_packed.shape[0]
     grouped = group_size is not None and w_scale.shape[0] > 1
@@ -471,16 +471,29 @@ def codebook4_packed_weight_only(
         return _int4_kn(x, w_packed, w_scale, group_size, precision, block, levels)
     span = k // 2 if group_size is None else math.gcd(k // 2, group_size // 2)
     bk = block or _pick_block(span, 8)
-    native = _native_kernels() if w_scale.shape[0] == 1 else None
-    if native is not None:  # (qkernels has no group scales)
-        y = _native_call(
-            lambda x, w: native.codebook4_kn_batch1(x, w, bk, levels),
-            lambda x, w: _int4_kn_m1(x, w, None, bk, levels),
-            x,
-            w_packed,
-        )
+    native = _native_kernels()
+    if native is None:
+        return _int4_kn_m1(x, w_packed, w_scale, bk, levels)
+    return _native_batch1(
+        lambda x, w, **s: native.codebook4_kn_batch1(x, w, bk, levels, **s),
+        lambda x, w, s: _int4_kn_m1(x, w, s, bk, levels),
+        x,
+        w_packed,
+        w_scale,
+    )
+
+
+def _native_batch1(native, xla, x, w_packed, w_scale):
+    """A 4-bit batch-1 product through qkernels: ``native(x, w[, scales=...])``.
+
+    Per-column scales multiply the kernel's unscaled sums here, in XLA (see
+    :func:`_native_call`); group scales go into the kernel, which multiplies each code
+    by its scale before summing, as ``xla(x, w, scales)`` does.
+    """
+    if w_scale.shape[0] == 1:
+        y = _native_call(lambda x, w: native(x, w), lambda x, w: xla(x, w, None), x, w_packed)
         return y * w_scale
-    return _int4_kn_m1(x, w_packed, w_scale, bk, levels)
+    return _native_call(lambda x, w, s: native(x, w, scales=s), xla, x, w_packed, w_scale)
 
 
 def _lookup4(index, levels):
@@ -522,11 +535,11 @@ def _int4_kn_m1(x, w_packed, w_scale, bk, levels=None):
 
     It computes P = K/(2*bk) partial rows
     out1[p, n] = sum_{j<bk} x[2(p*bk+j)] * lo[p*bk+j, n] + x[2(p*bk+j)+1] * hi[p*bk+j, n]
-    (python-unrolled FMAs over static strided slices, vectorised along N), group scales are
-    applied to these partials, and a pairwise tree of adds sums the P rows. No weight-size
-    temporary is ever written. (A reduce over the major axis would be pathologically slow in
-    XLA:CPU; the unrolled form is not.) ``w_scale`` None: the sums before any scale
-    (what qkernels computes).
+    (python-unrolled FMAs over static strided slices, vectorised along N; with group
+    scales each code is multiplied by its scale first), and a pairwise tree of adds sums
+    the P rows. No weight-size temporary is ever written. (A reduce over the major axis
+    would be pathologically slow in XLA:CPU; the unrolled form is not.) ``w_scale``
+    None: the sums before any scale (what qkernels computes for per-column scales).
     """
     k = x.shape[1]
     n = w_packed.shape[1]
@@ -537,6 +550,9 @@ def _int4_kn_m1(x, w_packed, w_scale, bk, levels=None):
     # 4 chained 4096x4096 layers went from 6 to 17 ms).
     q = w_packed.reshape(p_rows, bk, n)
     x3 = x.reshape(p_rows, bk, 2)
+    scale = None  # with group scales, (P, N): partial row p's
+    if w_scale is not None and w_scale.shape[0] > 1:
+        scale = numerics.repeat(w_scale, p_rows // w_scale.shape[0], 0)
     terms = []
     for j in range(bk):
         if levels is None:
@@ -544,12 +560,15 @@ def _int4_kn_m1(x, w_packed, w_scale, bk, levels=None):
         else:  # a 4-bit codebook: the nibbles index `levels`
             v = q[:, j].astype(i32)
             lo, hi = _lookup4(v & 15, levels), _lookup4(v >> 4, levels)
+        if scale is not None:
+            # Each code times its scale, rounded, before the sums. (Scaling the partial
+            # rows instead is cheaper, but XLA fused that multiply into the tree's first
+            # add for some shapes and not others, so qkernels could not reproduce it.)
+            lo, hi = lo * scale, hi * scale
         terms += [(x3[:, j, 0, None], lo), (x3[:, j, 1, None], hi)]
     out1 = _sum_of_products(terms)
-    if w_scale is not None and w_scale.shape[0] > 1:  # group scales, before the tree
-        return _pairwise_sum(out1 * numerics.repeat(w_scale, p_rows // w_scale.shape[0], 0))
     y = _pairwise_sum(out1)
-    return y if w_scale is None else y * w_scale
+    return y if w_scale is None or scale is not None else y * w_scale
 
 
 def _int4_kn(x, w_packed, w_scale, group_size, precision, block, levels=None):
