@@ -18,11 +18,12 @@ channel unless stated):
   with one per 64 (QLoRA's blocks), traced twice in the same way;
 * ``qwix w8`` / ``qwix w4``: the same rules with Qwix 0.1.8's ``PtqProvider``.
 
-Rounds call every configuration in turn; in each turn ``--untimed`` (default 3)
-untimed calls come first and the next call is timed, so the timed call does not pay
-for what the previous configuration left behind: after a Qwix call, the float32 model
-still ran measurably slower on its second call, not on its fourth. Medians and
-p10–p90 over ``--reps`` (≥ 21) rounds.
+Rounds call every configuration in turn; in each turn untimed calls come first, at
+least ``--untimed`` (default 3) of them and for at least 100 ms, and the next call is
+timed, so the timed call does not pay for what the previous configuration left
+behind (after a 100 ms call, the next calls of a fast model ran up to twice their
+steady time for about 30 ms: ``settle.py``). Medians and p10–p90 over
+``--reps`` (≥ 21) rounds.
 
 Limits printed beside each row: "bandwidth limit" is the bytes of the weights read
 per call (codes and scales) over the memory read bandwidth measured in the same run
@@ -51,13 +52,14 @@ import jax.numpy as jnp
 import numpy as np
 from ops import (
     HERE,
+    SETTLE_MS,
     load_qwix,
     measured_on,
     publish,
     qkernels_version,
     replace_section,
     run_info,
-    time_call,
+    settled_call,
 )
 from w8a8_layout import bandwidth_gbs
 
@@ -152,9 +154,7 @@ def run(layers: int, reps: int, untimed: int, qwix: Any, batch: int = 1) -> list
     times: dict[str, list[float]] = {name: [] for name in cfgs}
     for _ in range(reps):
         for name, (fn, p) in cfgs.items():
-            for _ in range(untimed):  # the previous configuration's leftovers
-                time_call(fn, x, p)
-            times[name].append(time_call(fn, x, p))
+            times[name].append(settled_call(fn, x, p, untimed))
     ref = outputs["fp32"]
     rows = []
     for name, (_, p) in cfgs.items():
@@ -211,7 +211,8 @@ def update_readme(data: dict[str, Any], path: Path) -> None:
         measured_on(m, f"qflax {m['qflax']}, qkernels {m['qkernels']}, Qwix {m['qwix']}")
         + f" {m['layers']} chained Dense(4096) layers at batch {m.get('batch', 1)}; {m['reps']}"
         " interleaved"
-        f" rounds, each timed call after {m['untimed']} untimed ones; medians with p10–p90;"
+        f" rounds, each timed call after at least {m['untimed']} untimed ones lasting at least"
+        f" {m.get('settle_ms', 0):.0f} ms; medians with p10–p90;"
         " memory"
         f" bandwidth {data['bandwidth_gbs']:.1f} GB/s measured in the same run.\n\n" + table(data)
     )
@@ -246,6 +247,7 @@ def main(argv: list[str] | None = None) -> int:
         layers=args.layers,
         batch=args.batch,
         untimed=args.untimed,
+        settle_ms=SETTLE_MS,
         qflax=qflax.__version__,
         qkernels=qkernels_version(),
         qwix=getattr(qwix, "__version__", None),

@@ -4,8 +4,9 @@ The model is four ``nn.Dense(4096)`` layers with relu between them (Linen, 4096
 inputs, ~67 M parameters). Every configuration is the whole model under
 ``jax.jit``, timed for ``--reps`` calls after warm-up (median, p10, p90), at
 batch 1 and batch 64, in one process, in rounds of one timed call per
-configuration, each after three untimed ones (so slow drifts of a shared machine
-hit every configuration alike); ratios compare rows measured in the same run.
+configuration (so slow drifts of a shared machine hit every configuration alike),
+each after untimed calls of the same configuration, at least three and for at least
+100 ms (``ops.settled_call``); ratios compare rows measured in the same run.
 "rel L2 err" is ``|y - y_fp32| / |y_fp32|`` on the same input. "params MiB" is
 the sum of ``nbytes`` of the param leaves as stored: qflax's int4 codes are packed
 two per byte in ``uint8``; Qwix keeps int4 codes in ``jnp.int4`` arrays, whose
@@ -41,12 +42,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from ops import (
+    SETTLE_MS,
     load_qwix,
     measured_on,
     publish,
     qkernels_version,
     replace_section,
     run_info,
+    settled_call,
     time_call,
     xla_path,
 )
@@ -126,10 +129,11 @@ def round_robin(
 
     Interleaving the configs spreads the slow drifts of a shared machine over all
     of them, so the ratios of one run are fair even when its absolute times move.
-    Each turn makes ``untimed`` calls first, so the timed call finds the model's
-    code and data warm (as a server calling one model repeatedly does) and does not
-    pay for what the previous configuration left behind: after a bf16 or Qwix call
-    (100 ms or more on both cores) one untimed call was not enough.
+    Each turn makes untimed calls first (at least ``untimed``, for at least 100 ms),
+    so the timed call finds the model's code and data warm (as a server calling one
+    model repeatedly does) and does not pay for what the previous configuration left
+    behind: after a bf16 or Qwix call (100 ms or more on both cores) three untimed
+    calls of the int8 model were not enough (``settle.py``).
     """
     for fn, p in configs.values():
         for _ in range(warmup):
@@ -137,9 +141,7 @@ def round_robin(
     times: dict[str, list[float]] = {name: [] for name in configs}
     for _ in range(reps):
         for name, (fn, p) in configs.items():
-            for _ in range(untimed):
-                time_call(fn, x, p)
-            times[name].append(time_call(fn, x, p))
+            times[name].append(settled_call(fn, x, p, untimed))
     return times
 
 
@@ -160,6 +162,7 @@ def main(argv: list[str] | None = None) -> int:
         qwix=getattr(qwix, "__version__", None),
         qflax=qflax.__version__,
         qkernels=qkernels_version(),
+        settle_ms=SETTLE_MS,
     )
     probe = jnp.ones((1, WIDTH))
     params = Stack().init(jax.random.key(0), probe)["params"]
@@ -236,7 +239,8 @@ def update_readme(data: dict[str, Any], path: Path) -> None:
         [
             measured_on(m, f"qflax {m['qflax']}, qkernels {m['qkernels']}, Qwix {m['qwix']}")
             + f" Median of {m['reps']} warm calls of the jitted model, in rounds of one timed"
-            " call per config, each after three untimed ones.",
+            " call per config, each after at least three untimed ones lasting at least"
+            f" {m.get('settle_ms', 0):.0f} ms.",
             "",
             table(data["rows"]),
         ]

@@ -155,6 +155,28 @@ def time_call(fn, x, w) -> float:
     return (time.perf_counter() - t0) * 1e3
 
 
+# Untimed calls before each timed call last at least this long: on this machine a
+# call's time depends on what ran just before it (after a 100 ms bfloat16 call of the
+# Flax stack, its int8 model's next three calls took 1.5-2x their steady time, about
+# 30 ms in all: the `settle` section of README.md, `settle.py`).
+SETTLE_MS = 100.0
+
+
+def settled_call(fn, x, w, untimed: int = 3, settle_ms: float = SETTLE_MS) -> float:
+    """Milliseconds of one call, after untimed calls: ``untimed`` of them and ``settle_ms``.
+
+    The untimed calls go on until both at least ``untimed`` calls and ``settle_ms``
+    milliseconds have passed, so the timed call pays neither for a cold start nor
+    for what the previous configuration left behind.
+    """
+    end = time.perf_counter() + settle_ms / 1e3
+    calls = 0
+    while calls < untimed or time.perf_counter() < end:
+        time_call(fn, x, w)
+        calls += 1
+    return time_call(fn, x, w)
+
+
 def check(fn, x, w_prepared, reference: np.ndarray) -> float:
     """Relative max error against the float64 product (guards against fast-but-wrong)."""
     y = np.asarray(fn(x, w_prepared), np.float64)
