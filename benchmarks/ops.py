@@ -157,8 +157,8 @@ def time_call(fn, x, w) -> float:
 
 # Untimed calls before each timed call last at least this long: on this machine a
 # call's time depends on what ran just before it (after a 100 ms bfloat16 call of the
-# Flax stack, its int8 model's next three calls took 1.5-2x their steady time, about
-# 30 ms in all: the `settle` section of README.md, `settle.py`).
+# Flax stack, its int8 model's next three calls took 1.5-2x their steady time, and
+# it was steady again about 30 ms after it: the `settle` section of README.md, `settle.py`).
 SETTLE_MS = 100.0
 
 
