@@ -322,6 +322,8 @@ def test_group_scales_scale_each_code():
     moved = jnp.asarray(np.asarray(w) ^ 0x88, jnp.uint8)  # ... so flipping bit 3 matches int4
     y4 = qkernels.codebook4_kn_batch1(x, moved, 2, levels, scales=scales)
     np.testing.assert_array_equal(np.asarray(y4), [[col0, col1]])
+    as_lists = qkernels.int4_kn_batch1(x, w, 2, scales=[[2.0, 10.0], [0.5, 1.0]])
+    np.testing.assert_array_equal(np.asarray(as_lists), [[col0, col1]])
 
 
 @pytest.mark.parametrize(

@@ -46,15 +46,19 @@ def _group_scales(scales, w, bk: int):
     """
     rows, n = w.shape
     partial = rows // bk
-    shape = tuple(jnp.shape(scales))
-    if not jnp.issubdtype(jnp.result_type(scales), jnp.floating):
-        raise ValueError(f"scales: {jnp.result_type(scales)}; allowed: a floating dtype")
+    try:
+        scales = jnp.asarray(scales)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"scales: {scales!r}; allowed: a (G, {n}) float array") from e
+    shape = tuple(scales.shape)
+    if not jnp.issubdtype(scales.dtype, jnp.floating):
+        raise ValueError(f"scales: {scales.dtype}; allowed: a floating dtype")
     if len(shape) != 2 or shape[1] != n or shape[0] < 1 or partial % shape[0]:
         raise ValueError(
             f"scales: shape {shape}; allowed: (G, {n}) with G dividing the {partial} "
             f"partial rows (w's {rows} rows / bk={bk})"
         )
-    return jnp.asarray(scales).astype(jnp.float32)
+    return scales.astype(jnp.float32)
 
 
 def _call(target: str, x, w, bk: int, *extra):
