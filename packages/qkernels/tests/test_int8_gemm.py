@@ -146,6 +146,35 @@ def test_qcore_w8a8_bit_for_bit_and_routed_from_16_rows(m):
     np.testing.assert_array_equal(np.asarray(native(x, q_w)), np.asarray(xla(x, q_w)))
 
 
+@pytest.mark.parametrize("m", [16, 40])
+@pytest.mark.parametrize("residual", ["y * c + h * d", "(y + b) * c + h * d"])
+def test_scaled_residuals_bit_for_bit(m, residual):
+    """Three w8a8 layers, each followed by a scaled residual, in one jit.
+
+    Both sides of the add are products; XLA contracted a different one into a fused
+    multiply-add when the XLA path's row-scale multiply was fused with the add.
+    """
+    q_ws = [
+        qcore.quantize(
+            jnp.asarray(RNG.standard_normal((96, 96)), jnp.float32),
+            qcore.HowToQuantize(qtype="int8", channelwise_axes=(1,)),
+        )
+        for _ in range(3)
+    ]
+    b = jnp.asarray(RNG.standard_normal(96), jnp.float32)
+
+    def model(h, q_ws, b):
+        for q_w in q_ws:
+            y = _w8a8(h, q_w)
+            h = (y * 0.7 if residual == "y * c + h * d" else (y + b) * 0.7) + h * 0.25
+        return h
+
+    h = jnp.asarray(RNG.standard_normal((m, 96)), jnp.float32)
+    native, xla = _lowered(model, True, h, q_ws, b), _lowered(model, False, h, q_ws, b)
+    assert native.as_text().count("qkernels_w8a8") == (3 if ROUTED else 0)
+    np.testing.assert_array_equal(np.asarray(native(h, q_ws, b)), np.asarray(xla(h, q_ws, b)))
+
+
 class _Encoder(nn.Module):
     """Two pre-norm blocks (Dense 4x, gelu, Dense back), as a BERT layer's MLP.
 

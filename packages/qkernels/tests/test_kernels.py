@@ -6,8 +6,8 @@ with ``np.testing.assert_array_equal``; a float64 product checks that both are t
 product at all. Shapes cover partial rows of 16 and of fewer weight rows (K with
 small divisors), an odd number of partial rows (the halving tree's carried row),
 column counts that are not a multiple of 8, group scales (tiles: each code
-multiplied by its scale before it is summed), and layers chained inside one jitted
-function, as a model runs them.
+multiplied by its scale before it is summed), layers chained inside one jitted
+function, as a model runs them, and products followed by scaled residuals.
 """
 
 import os
@@ -151,6 +151,55 @@ def test_chained_layers_equal_bit_for_bit(kind):
     x = jnp.asarray(RNG.standard_normal((1, k)), jnp.float32)
     xla, native = _both(model, x, params)
     assert np.abs(xla).max() > 0
+    np.testing.assert_array_equal(native, xla)
+
+
+RESIDUALS = {
+    "y * c + h * d": lambda y, h, b: y * 0.7 + h * 0.25,
+    "(y + b) * c + h * d": lambda y, h, b: (y + b) * 0.7 + h * 0.25,
+    "y * b + h": lambda y, h, b: y * b + h,
+    "y * c - h * d": lambda y, h, b: y * 0.5 - h * 0.3,
+}
+
+
+@pytest.mark.parametrize("residual", list(RESIDUALS))
+@pytest.mark.parametrize(("kind", "groups"), [("int8", 1), ("int4", 1), ("int4", 2), ("nf4", 2)])
+def test_scaled_residuals_equal_bit_for_bit(kind, groups, residual):
+    """A product feeding ``y * c + h * d`` in the same jit, chained over three layers.
+
+    Both sides of the add are products, and XLA:CPU contracts one of them into a
+    fused multiply-add. Which one depended on whether the product's own loop fusion
+    was merged with the add, so the pure-XLA path (merged) and the kernel path
+    (never merged: a call is opaque) rounded differently.
+    """
+    k = 256
+    layers = [_layer(kind, k, k, groups) for _ in range(3)]
+    f, step = layers[0][2], RESIDUALS[residual]
+    params = [(w, s, jnp.asarray(RNG.standard_normal(k), jnp.float32)) for w, s, _ in layers]
+
+    def model(h, params):
+        for w, s, b in params:
+            h = step(f(h, w, s), h, b)
+        return h
+
+    h = jnp.asarray(RNG.standard_normal((1, k)), jnp.float32)
+    xla, native = _both(model, h, params)
+    assert np.isfinite(xla).all() and np.abs(xla).max() > 0
+    np.testing.assert_array_equal(native, xla)
+
+
+@pytest.mark.parametrize("kind", ["int4", "nf4"])
+def test_group_scales_computed_in_the_jit_equal_bit_for_bit(kind):
+    """Tile scales that are themselves a sum of products, computed in the same jit."""
+    k = 256
+    w, s, f = _layer(kind, k, k, 4)
+    t = jnp.asarray(RNG.random(s.shape), jnp.float32)
+
+    def model(x, w, s, t):
+        return f(x, w, s * 0.75 + t * 0.5) * 0.7 + x * 0.25
+
+    x = jnp.asarray(RNG.standard_normal((1, k)), jnp.float32)
+    xla, native = _both(model, x, w, s, t)
     np.testing.assert_array_equal(native, xla)
 
 

@@ -184,6 +184,28 @@ def _native_call(native, xla, *args):
     return call(*args)
 
 
+def _isolated(fn, x, w, *rest):
+    """``fn(x, w, *rest)`` as an XLA computation of its own, fused with nothing around it.
+
+    What qkernels replaces must be computed this way on the XLA path. A kernel call's
+    operands and result are always buffers, but XLA:CPU merged the pure-XLA product's
+    fusion with the elementwise operations before and after it. In ``y * c + h * d``
+    LLVM contracts one of the two multiplies into a fused multiply-add, and which one
+    depended on that merge, so the two paths differed in the last bit (most outputs
+    after a few layers). A conditional is opaque to fusion, so ``fn`` runs as its
+    branch. Its predicate is always true, but XLA cannot prove it: it reads one element
+    of ``w``, the integer weight codes. (Reading an activation instead gave it one more
+    reader, and XLA then computed the operations that produced the activation twice, in
+    two fusions that rounded differently; the same happened when an activation was
+    reshaped before entering the conditional.)
+    """
+    if w.size == 0:
+        return fn(x, w, *rest)
+    always = (w.reshape(-1)[0].astype(i32) | 1) != 0
+    out = jax.eval_shape(fn, x, w, *rest)
+    return lax.cond(always, fn, lambda *_: jnp.zeros(out.shape, out.dtype), x, w, *rest)
+
+
 @contextlib.contextmanager
 def native_kernels(enabled: bool):
     """Use (or bypass) the optional ``qkernels`` package while tracing in this block.
@@ -514,14 +536,19 @@ def _int8_kn_m1(x, w_codes, bk):
     P = K/bk partial rows, each the python-unrolled sum of bk ``x[k] * float(w[k, :])``
     terms over static strided slices (vectorised along N), then a pairwise tree of adds
     sums the P rows. Writes no weight-size temporary. (jnp.sum over the major axis
-    instead would hit XLA:CPU's pathological column-walk reduce: seconds.)
+    instead would hit XLA:CPU's pathological column-walk reduce: seconds.) Isolated
+    from the operations around it, as qkernels' call is (see :func:`_isolated`).
     """
     k, n = w_codes.shape
     p_rows = k // bk
-    w3 = w_codes.reshape(p_rows, bk, n)
-    x3 = x.astype(f32).reshape(p_rows, bk)
-    terms = [(x3[:, j, None], w3[:, j].astype(f32)) for j in range(bk)]
-    return _pairwise_sum(_sum_of_products(terms))
+
+    def product(x, w_codes):
+        w3 = w_codes.reshape(p_rows, bk, n)
+        x3 = x.astype(f32).reshape(p_rows, bk)
+        terms = [(x3[:, j, None], w3[:, j].astype(f32)) for j in range(bk)]
+        return _pairwise_sum(_sum_of_products(terms))
+
+    return _isolated(product, x, w_codes)
 
 
 def _nibbles(b):
@@ -538,7 +565,8 @@ def _int4_kn_m1(x, w_packed, w_scale, bk, levels=None):
     (python-unrolled FMAs over static strided slices, vectorised along N; with group
     scales each code is multiplied by its scale first), and a pairwise tree of adds sums
     the P rows. No weight-size temporary is ever written. (A reduce over the major axis
-    would be pathologically slow in XLA:CPU; the unrolled form is not.) ``w_scale``
+    would be pathologically slow in XLA:CPU; the unrolled form is not.) Isolated from
+    the operations around it, as qkernels' call is (see :func:`_isolated`). ``w_scale``
     None: the sums before any scale (what qkernels computes for per-column scales).
     """
     k = x.shape[1]
@@ -548,27 +576,31 @@ def _int4_kn_m1(x, w_packed, w_scale, bk, levels=None):
     # weight to int8 is materialised by XLA, and four such 8 MiB copies in one model
     # pushed its temporaries over the 32 MiB mmap threshold (page faults every call:
     # 4 chained 4096x4096 layers went from 6 to 17 ms).
-    q = w_packed.reshape(p_rows, bk, n)
-    x3 = x.reshape(p_rows, bk, 2)
-    scale = None  # with group scales, (P, N): partial row p's
-    if w_scale is not None and w_scale.shape[0] > 1:
-        scale = numerics.repeat(w_scale, p_rows // w_scale.shape[0], 0)
-    terms = []
-    for j in range(bk):
-        if levels is None:
-            lo, hi = (v.astype(f32) for v in _nibbles(q[:, j]))
-        else:  # a 4-bit codebook: the nibbles index `levels`
-            v = q[:, j].astype(i32)
-            lo, hi = _lookup4(v & 15, levels), _lookup4(v >> 4, levels)
-        if scale is not None:
-            # Each code times its scale, rounded, before the sums. (Scaling the partial
-            # rows instead is cheaper, but XLA fused that multiply into the tree's first
-            # add for some shapes and not others, so qkernels could not reproduce it.)
-            lo, hi = lo * scale, hi * scale
-        terms += [(x3[:, j, 0, None], lo), (x3[:, j, 1, None], hi)]
-    out1 = _sum_of_products(terms)
-    y = _pairwise_sum(out1)
-    return y if w_scale is None or scale is not None else y * w_scale
+    grouped = w_scale is not None and w_scale.shape[0] > 1
+
+    def product(x, w_packed, scale):
+        q = w_packed.reshape(p_rows, bk, n)
+        x3 = x.reshape(p_rows, bk, 2)
+        if scale is not None:  # group scales: (P, N), partial row p's
+            scale = numerics.repeat(scale, p_rows // scale.shape[0], 0)
+        terms = []
+        for j in range(bk):
+            if levels is None:
+                lo, hi = (v.astype(f32) for v in _nibbles(q[:, j]))
+            else:  # a 4-bit codebook: the nibbles index `levels`
+                v = q[:, j].astype(i32)
+                lo, hi = _lookup4(v & 15, levels), _lookup4(v >> 4, levels)
+            if scale is not None:
+                # Each code times its scale, rounded, before the sums. (Scaling the
+                # partial rows instead is cheaper, but XLA fused that multiply into the
+                # tree's first add for some shapes and not others, so qkernels could not
+                # reproduce it.)
+                lo, hi = lo * scale, hi * scale
+            terms += [(x3[:, j, 0, None], lo), (x3[:, j, 1, None], hi)]
+        return _pairwise_sum(_sum_of_products(terms))
+
+    y = _isolated(product, x, w_packed, w_scale if grouped else None)
+    return y if w_scale is None or grouped else y * w_scale
 
 
 def _int4_kn(x, w_packed, w_scale, group_size, precision, block, levels=None):
@@ -693,14 +725,21 @@ def w8a8(x_codes, x_scale, w_codes, w_scale, *, layout="nk", block=None):
 
 
 def _w8a8_rows(x_codes, x_scale, w_codes, layout):
-    """The int8 GEMM of :func:`w8a8` in XLA, times the row scales (not the columns')."""
+    """The int8 GEMM of :func:`w8a8` in XLA, times the row scales (not the columns').
+
+    Isolated from the operations around it, as qkernels' call is (see :func:`_isolated`).
+    """
     m, k = x_codes.shape
-    xp = jnp.concatenate([x_codes, jnp.zeros((1, k), x_codes.dtype)], 0) if m == 1 else x_codes
-    if layout == "nk":
-        acc = lax.dot_general(w_codes, xp, _DN_LAST, preferred_element_type=i32)[:, :m].T
-    else:
-        acc = lax.dot(xp, w_codes, preferred_element_type=i32)[:m]  # (M, N)
-    return acc.astype(f32) * x_scale
+
+    def product(x_codes, w_codes, x_scale):
+        xp = jnp.concatenate([x_codes, jnp.zeros((1, k), x_codes.dtype)], 0) if m == 1 else x_codes
+        if layout == "nk":
+            acc = lax.dot_general(w_codes, xp, _DN_LAST, preferred_element_type=i32)[:, :m].T
+        else:
+            acc = lax.dot(xp, w_codes, preferred_element_type=i32)[:m]  # (M, N)
+        return acc.astype(f32) * x_scale
+
+    return _isolated(product, x_codes, w_codes, x_scale)
 
 
 # ----------------------------------------------------------------------------------------------
