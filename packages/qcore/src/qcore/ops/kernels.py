@@ -167,9 +167,8 @@ def _native_call(native, xla, *args):
     An FFI call has no derivative of its own; its values are those of ``xla``, so the
     derivatives are too (``jax.grad``, ``jvp``, ``vmap`` of either, as without
     qkernels). Neither computes the final multiply by the column scales: the caller
-    does it in XLA on both paths, because XLA fuses that multiply with an add that
-    follows it (a bias, a residual) into one fused multiply-add, which a kernel that
-    rounded the product first would not reproduce.
+    does it in XLA, inside the same isolated computation on both paths
+    (:func:`_isolated`), so the scaled product is rounded before anything after it.
     """
 
     @jax.custom_jvp
@@ -197,7 +196,9 @@ def _isolated(fn, x, w, *rest):
     of ``w``, the integer weight codes. (Reading an activation instead gave it one more
     reader, and XLA then computed the operations that produced the activation twice, in
     two fusions that rounded differently; the same happened when an activation was
-    reshaped before entering the conditional.)
+    reshaped before entering the conditional.) ``fn`` must include the multiply by the
+    column scales: outside, it was fused with the add differently when the scales were
+    stored (PTQ) and when they were computed in the same jit (QAT).
     """
     if w.size == 0:
         return fn(x, w, *rest)
@@ -324,16 +325,13 @@ def int8_weight_only(
         # bk: the largest divisor of K up to 16 (16 for any K a multiple of 16).
         bk = max(d for d in range(1, 17) if k % d == 0)
         native = _native_kernels() if w_codes.dtype == i8 else None  # (its codes are int8)
-        if native is not None:
-            y = _native_call(
-                lambda x, w: native.int8_kn_batch1(x, w, bk),
-                lambda x, w: _int8_kn_m1(x, w, bk),
-                x,
-                w_codes,
-            )
-        else:
-            y = _int8_kn_m1(x, w_codes, bk)
-        return y * w_scale  # in XLA either way (see _native_call)
+        return _batch1(
+            native and (lambda x, w: native.int8_kn_batch1(x, w, bk)),
+            lambda x, w, _: _int8_kn_m1(x, w, bk),
+            x,
+            w_codes,
+            w_scale,
+        )
     # scan over K blocks, accumulate in f32
     cdt = bf16 if (precision == "bf16" and m > 1) else f32  # M=1 dots must stay f32 (see top)
     bk = block or _pick_block(k, 512 if m == 1 else 256)
@@ -389,10 +387,8 @@ def int4_packed_weight_only(
             span = k // 2 if group_size is None else math.gcd(k // 2, group_size // 2)
             bk = block or _pick_block(span, 8)
             native = _native_kernels()
-            if native is None:
-                return _int4_kn_m1(x, w_packed, w_scale, bk)
-            return _native_batch1(
-                lambda x, w, **s: native.int4_kn_batch1(x, w, bk, **s),
+            return _batch1(
+                native and (lambda x, w, **s: native.int4_kn_batch1(x, w, bk, **s)),
                 lambda x, w, s: _int4_kn_m1(x, w, s, bk),
                 x,
                 w_packed,
@@ -494,10 +490,8 @@ def codebook4_packed_weight_only(
     span = k // 2 if group_size is None else math.gcd(k // 2, group_size // 2)
     bk = block or _pick_block(span, 8)
     native = _native_kernels()
-    if native is None:
-        return _int4_kn_m1(x, w_packed, w_scale, bk, levels)
-    return _native_batch1(
-        lambda x, w, **s: native.codebook4_kn_batch1(x, w, bk, levels, **s),
+    return _batch1(
+        native and (lambda x, w, **s: native.codebook4_kn_batch1(x, w, bk, levels, **s)),
         lambda x, w, s: _int4_kn_m1(x, w, s, bk, levels),
         x,
         w_packed,
@@ -505,17 +499,32 @@ def codebook4_packed_weight_only(
     )
 
 
-def _native_batch1(native, xla, x, w_packed, w_scale):
-    """A 4-bit batch-1 product through qkernels: ``native(x, w[, scales=...])``.
+def _batch1(native, xla, x, w, w_scale):
+    """A batch-1 product and its scales, as one computation fused with nothing around it.
 
-    Per-column scales multiply the kernel's unscaled sums here, in XLA (see
-    :func:`_native_call`); group scales go into the kernel, which multiplies each code
-    by its scale before summing, as ``xla(x, w, scales)`` does.
+    ``xla(x, w, scales)`` is qcore's formulation: with ``scales`` None the unscaled sums,
+    else tile scales multiplied into each code. ``native(x, w[, scales=...])`` is
+    qkernels' kernel computing the same, or None without qkernels. Per-column scales
+    multiply the sums after either, inside the same isolated computation
+    (:func:`_isolated`), so every path rounds the scaled product before anything that
+    follows it.
     """
-    if w_scale.shape[0] == 1:
-        y = _native_call(lambda x, w: native(x, w), lambda x, w: xla(x, w, None), x, w_packed)
-        return y * w_scale
-    return _native_call(lambda x, w, s: native(x, w, scales=s), xla, x, w_packed, w_scale)
+    if w_scale.shape[0] > 1:
+        if native is None:
+            return _isolated(xla, x, w, w_scale)
+        return _isolated(
+            lambda x, w, s: _native_call(lambda x, w, s: native(x, w, scales=s), xla, x, w, s),
+            x,
+            w,
+            w_scale,
+        )
+
+    def per_column(x, w, s):
+        if native is None:
+            return xla(x, w, None) * s
+        return _native_call(native, lambda x, w: xla(x, w, None), x, w) * s
+
+    return _isolated(per_column, x, w, w_scale)
 
 
 def _lookup4(index, levels):
@@ -536,19 +545,16 @@ def _int8_kn_m1(x, w_codes, bk):
     P = K/bk partial rows, each the python-unrolled sum of bk ``x[k] * float(w[k, :])``
     terms over static strided slices (vectorised along N), then a pairwise tree of adds
     sums the P rows. Writes no weight-size temporary. (jnp.sum over the major axis
-    instead would hit XLA:CPU's pathological column-walk reduce: seconds.) Isolated
-    from the operations around it, as qkernels' call is (see :func:`_isolated`).
+    instead would hit XLA:CPU's pathological column-walk reduce: seconds.) Scaled and
+    isolated by :func:`_batch1`.
     """
     k, n = w_codes.shape
     p_rows = k // bk
 
-    def product(x, w_codes):
-        w3 = w_codes.reshape(p_rows, bk, n)
-        x3 = x.astype(f32).reshape(p_rows, bk)
-        terms = [(x3[:, j, None], w3[:, j].astype(f32)) for j in range(bk)]
-        return _pairwise_sum(_sum_of_products(terms))
-
-    return _isolated(product, x, w_codes)
+    w3 = w_codes.reshape(p_rows, bk, n)
+    x3 = x.astype(f32).reshape(p_rows, bk)
+    terms = [(x3[:, j, None], w3[:, j].astype(f32)) for j in range(bk)]
+    return _pairwise_sum(_sum_of_products(terms))
 
 
 def _nibbles(b):
@@ -565,9 +571,9 @@ def _int4_kn_m1(x, w_packed, w_scale, bk, levels=None):
     (python-unrolled FMAs over static strided slices, vectorised along N; with group
     scales each code is multiplied by its scale first), and a pairwise tree of adds sums
     the P rows. No weight-size temporary is ever written. (A reduce over the major axis
-    would be pathologically slow in XLA:CPU; the unrolled form is not.) Isolated from
-    the operations around it, as qkernels' call is (see :func:`_isolated`). ``w_scale``
-    None: the sums before any scale (what qkernels computes for per-column scales).
+    would be pathologically slow in XLA:CPU; the unrolled form is not.) ``w_scale``:
+    tile scales ``(G, N)``, or None for the sums before any scale (per-column scales
+    are multiplied by :func:`_batch1`, which also isolates the product).
     """
     k = x.shape[1]
     n = w_packed.shape[1]
@@ -576,31 +582,25 @@ def _int4_kn_m1(x, w_packed, w_scale, bk, levels=None):
     # weight to int8 is materialised by XLA, and four such 8 MiB copies in one model
     # pushed its temporaries over the 32 MiB mmap threshold (page faults every call:
     # 4 chained 4096x4096 layers went from 6 to 17 ms).
-    grouped = w_scale is not None and w_scale.shape[0] > 1
-
-    def product(x, w_packed, scale):
-        q = w_packed.reshape(p_rows, bk, n)
-        x3 = x.reshape(p_rows, bk, 2)
-        if scale is not None:  # group scales: (P, N), partial row p's
-            scale = numerics.repeat(scale, p_rows // scale.shape[0], 0)
-        terms = []
-        for j in range(bk):
-            if levels is None:
-                lo, hi = (v.astype(f32) for v in _nibbles(q[:, j]))
-            else:  # a 4-bit codebook: the nibbles index `levels`
-                v = q[:, j].astype(i32)
-                lo, hi = _lookup4(v & 15, levels), _lookup4(v >> 4, levels)
-            if scale is not None:
-                # Each code times its scale, rounded, before the sums. (Scaling the
-                # partial rows instead is cheaper, but XLA fused that multiply into the
-                # tree's first add for some shapes and not others, so qkernels could not
-                # reproduce it.)
-                lo, hi = lo * scale, hi * scale
-            terms += [(x3[:, j, 0, None], lo), (x3[:, j, 1, None], hi)]
-        return _pairwise_sum(_sum_of_products(terms))
-
-    y = _isolated(product, x, w_packed, w_scale if grouped else None)
-    return y if w_scale is None or grouped else y * w_scale
+    q = w_packed.reshape(p_rows, bk, n)
+    x3 = x.reshape(p_rows, bk, 2)
+    scale = None  # with tile scales, (P, N): partial row p's
+    if w_scale is not None:
+        scale = numerics.repeat(w_scale, p_rows // w_scale.shape[0], 0)
+    terms = []
+    for j in range(bk):
+        if levels is None:
+            lo, hi = (v.astype(f32) for v in _nibbles(q[:, j]))
+        else:  # a 4-bit codebook: the nibbles index `levels`
+            v = q[:, j].astype(i32)
+            lo, hi = _lookup4(v & 15, levels), _lookup4(v >> 4, levels)
+        if scale is not None:
+            # Each code times its scale, rounded, before the sums. (Scaling the partial
+            # rows instead is cheaper, but XLA fused that multiply into the tree's first
+            # add for some shapes and not others, so qkernels could not reproduce it.)
+            lo, hi = lo * scale, hi * scale
+        terms += [(x3[:, j, 0, None], lo), (x3[:, j, 1, None], hi)]
+    return _pairwise_sum(_sum_of_products(terms))
 
 
 def _int4_kn(x, w_packed, w_scale, group_size, precision, block, levels=None):
@@ -661,22 +661,27 @@ def _native_w8a8(x_codes, x_scale, w_codes, w_scale, layout):
     a symbolic row count, for codes not stored as int8, and on CPUs with VNNI, whose
     int8 dot-product instructions XLA's own GEMM uses and qkernels' AVX2 code does not. It computes
     :func:`w8a8`'s expression: integer sums are exact in any order, the row scales
-    multiply in the kernel, and the column scales in XLA (see :func:`_native_call`),
-    so the result is the XLA path's bit for bit.
+    multiply in the kernel, and the column scales in XLA, in the same isolated
+    computation as on the XLA path (see :func:`_isolated`), so the result is the XLA
+    path's bit for bit.
     """
     native, m = _native_kernels(), x_codes.shape[0]
     if native is None or not isinstance(m, int) or m < _W8A8_NATIVE_MIN_ROWS or native.vnni():
         return None  # (a symbolic row count, as under jax.export, stays on XLA)
     if x_codes.dtype != i8 or w_codes.dtype != i8:
         return None
-    rows = _native_call(
-        lambda *a: native.w8a8(*a, w_layout=layout),
-        lambda x, xs, w: _w8a8_rows(x, xs, w, layout),
-        x_codes,
-        x_scale,
-        w_codes,
-    )
-    return rows * w_scale
+
+    def scaled(x_codes, w_codes, x_scale, w_scale):
+        rows = _native_call(
+            lambda *a: native.w8a8(*a, w_layout=layout),
+            lambda x, xs, w: _w8a8_rows(x, xs, w, layout),
+            x_codes,
+            x_scale,
+            w_codes,
+        )
+        return rows * w_scale
+
+    return _isolated(scaled, x_codes, w_codes, x_scale, w_scale)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -719,27 +724,26 @@ def w8a8(x_codes, x_scale, w_codes, w_scale, *, layout="nk", block=None):
         or block is None
         and (m != 1 or k * w_codes.shape[1] <= _W8A8_KN_INT8_MAX_WEIGHT)
     ):
-        return _w8a8_rows(x_codes, x_scale, w_codes, layout) * w_scale
+        return _isolated(
+            lambda xc, w, xs, ws: _w8a8_rows(xc, xs, w, layout) * ws,
+            x_codes,
+            w_codes,
+            x_scale,
+            w_scale,
+        )
     cdt = f32 if m == 1 else bf16
     return _scan_k(x_codes, w_codes, cdt, block or _pick_block(k, 512)) * x_scale * w_scale
 
 
 def _w8a8_rows(x_codes, x_scale, w_codes, layout):
-    """The int8 GEMM of :func:`w8a8` in XLA, times the row scales (not the columns').
-
-    Isolated from the operations around it, as qkernels' call is (see :func:`_isolated`).
-    """
+    """The int8 GEMM of :func:`w8a8` in XLA, times the row scales (not the columns')."""
     m, k = x_codes.shape
-
-    def product(x_codes, w_codes, x_scale):
-        xp = jnp.concatenate([x_codes, jnp.zeros((1, k), x_codes.dtype)], 0) if m == 1 else x_codes
-        if layout == "nk":
-            acc = lax.dot_general(w_codes, xp, _DN_LAST, preferred_element_type=i32)[:, :m].T
-        else:
-            acc = lax.dot(xp, w_codes, preferred_element_type=i32)[:m]  # (M, N)
-        return acc.astype(f32) * x_scale
-
-    return _isolated(product, x_codes, w_codes, x_scale)
+    xp = jnp.concatenate([x_codes, jnp.zeros((1, k), x_codes.dtype)], 0) if m == 1 else x_codes
+    if layout == "nk":
+        acc = lax.dot_general(w_codes, xp, _DN_LAST, preferred_element_type=i32)[:, :m].T
+    else:
+        acc = lax.dot(xp, w_codes, preferred_element_type=i32)[:m]  # (M, N)
+    return acc.astype(f32) * x_scale
 
 
 # ----------------------------------------------------------------------------------------------
