@@ -60,22 +60,12 @@ def impls() -> dict[str, Any]:
     return out
 
 
-def few_rows(counts: list[int]) -> dict[str, tuple[int, int, int]]:
-    """MiniLM's intermediate product and the Flax stack's layer at ``counts`` rows."""
-    return {
-        f"{label}, {m} rows": (m, k, n)
-        for label in ("MiniLM intermediate", "Flax stack b64")
-        for m in counts
-        for _, k, n in [SHAPES[label]]
-    }
-
-
-def run(reps: int, untimed: int, shapes: dict[str, tuple[int, int, int]]) -> list[dict[str, Any]]:
+def run(reps: int, untimed: int) -> list[dict[str, Any]]:
     """Times every product on every shape; returns the table's rows."""
     rng = np.random.default_rng(0)
     fns = impls()
     rows = []
-    for label, (m, k, n) in shapes.items():
+    for label, (m, k, n) in SHAPES.items():
         x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
         w = jnp.asarray(rng.standard_normal((k, n)), jnp.float32)
         q_x = qcore.quantize(x, qcore.HowToQuantize(qtype="int8", channelwise_axes=(0,)))
@@ -125,8 +115,8 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def update_readme(data: dict[str, Any], path: Path, section: str = "int8-gemm") -> None:
-    """Replaces the int8-gemm (or ``section``'s) table of benchmarks/README.md."""
+def update_readme(data: dict[str, Any], path: Path) -> None:
+    """Replaces the int8-gemm table of benchmarks/README.md."""
     m = data["machine"]
     body = "\n".join(
         [
@@ -137,7 +127,7 @@ def update_readme(data: dict[str, Any], path: Path, section: str = "int8-gemm") 
             table(data["rows"]),
         ]
     )
-    replace_section(path, section, body)
+    replace_section(path, "int8-gemm", body)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -145,35 +135,18 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--reps", type=int, default=21, help="timed rounds (>= 21)")
     parser.add_argument("--untimed", type=int, default=3, help="untimed calls before each timed")
-    parser.add_argument(
-        "--rows",
-        help="comma-separated row counts: time MiniLM's intermediate product and the Flax"
-        " stack's layer at these instead (where qcore starts calling qkernels' GEMM)",
-    )
-    parser.add_argument("--out", type=Path, help="results JSON (default results/SECTION.json)")
+    parser.add_argument("--out", type=Path, default=HERE / "results" / "int8_gemm.json")
     parser.add_argument("--readme", action="store_true", help="rewrite the table in README.md")
     args = parser.parse_args(argv)
     if args.reps < 21:
         parser.error(f"--reps must be >= 21, got {args.reps}")
     if args.untimed < 1:
         parser.error(f"--untimed must be >= 1, got {args.untimed}")
-    shapes, section = SHAPES, "int8-gemm"
-    if args.rows:
-        try:
-            counts = [int(v) for v in args.rows.split(",")]
-        except ValueError:
-            counts = []
-        if not counts or min(counts) < 1:
-            parser.error(f"--rows must be positive integers separated by commas, got {args.rows!r}")
-        shapes, section = few_rows(counts), "int8-rows"
     info = run_info(args.reps, untimed=args.untimed, qkernels=qkernels_version())
-    data = {"machine": info, "rows": run(args.reps, args.untimed, shapes)}
+    data = {"machine": info, "rows": run(args.reps, args.untimed)}
     print()
     print(table(data["rows"]))
-    out = args.out or HERE / "results" / f"{section.replace('-', '_')}.json"
-    publish(
-        section.replace("-", "_"), data, out, args.readme, lambda d, p: update_readme(d, p, section)
-    )
+    publish("int8_gemm", data, args.out, args.readme, update_readme)
     return 0
 
 

@@ -454,3 +454,33 @@ def test_an_empty_contraction_gives_zeros_like_jnp(qtype, rows):
         with kernels.native_kernels(native):
             y = jax.jit(lambda x, q: qcore.dot_general(x, q, dims))(x, q)
         np.testing.assert_array_equal(np.asarray(y), np.zeros((rows, 5), np.float32))
+
+
+@pytest.mark.parametrize(
+    ("qtype", "pack", "act", "rows"),
+    [("int8", False, True, 4), ("int8", False, False, 1), ("int4", True, False, 1)],
+)
+def test_kernel_paths_run_under_shard_map_with_a_split_weight(qtype, pack, act, rows):
+    """Tensor parallel on one device: the weight split along N, as under shard_map.
+
+    The isolating conditional's untaken branch must vary over the mesh axis as the
+    product does; with constant zeros there, lax.cond raised.
+    """
+    from jax.sharding import Mesh  # noqa: PLC0415
+    from jax.sharding import PartitionSpec as P  # noqa: PLC0415
+
+    rng = np.random.default_rng(0)
+    mesh = Mesh(np.array(jax.devices()[:1]), ("model",))
+    dims = (((1,), (0,)), ((), ()))
+    x = jnp.asarray(rng.standard_normal((rows, 64)), jnp.float32)
+    how = qcore.HowToQuantize(qtype=qtype, channelwise_axes=(1,), pack=pack, pack_axis=0)
+    q = qcore.quantize(jnp.asarray(rng.standard_normal((64, 32)), jnp.float32), how)
+
+    def f(x, q):
+        if act:
+            x = qcore.quantize(x, qcore.HowToQuantize(qtype="int8", channelwise_axes=(0,)))
+        return qcore.dot_general(x, q, dims)
+
+    spec = jax.tree.map(lambda a: P(None, "model") if a.ndim == 2 else P(), q)
+    sharded = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(P(), spec), out_specs=P(None, "model")))
+    np.testing.assert_array_equal(np.asarray(sharded(x, q)), np.asarray(jax.jit(f)(x, q)))

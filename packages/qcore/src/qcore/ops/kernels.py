@@ -199,12 +199,22 @@ def _isolated(fn, x, w, *rest):
     reshaped before entering the conditional.) ``fn`` must include the multiply by the
     column scales: outside, it was fused with the add differently when the scales were
     stored (PTQ) and when they were computed in the same jit (QAT).
+
+    The predicate indexes ``w`` without reshaping it, so that under automatic sharding
+    XLA fetches one element, not the whole weight. The other branch, never taken, is
+    zeros computed from one element of every operand: under ``shard_map`` its result
+    then varies over the same mesh axes as ``fn``'s, as ``lax.cond`` requires.
     """
     if w.size == 0:
         return fn(x, w, *rest)
-    always = (w.reshape(-1)[0].astype(i32) | 1) != 0
+    always = (w[(0,) * w.ndim].astype(i32) | 1) != 0
     out = jax.eval_shape(fn, x, w, *rest)
-    return lax.cond(always, fn, lambda *_: jnp.zeros(out.shape, out.dtype), x, w, *rest)
+
+    def never(*operands):
+        zero = sum(a[(0,) * a.ndim].astype(out.dtype) * 0 for a in jax.tree.leaves(operands))
+        return jnp.broadcast_to(zero, out.shape)
+
+    return lax.cond(always, fn, never, x, w, *rest)
 
 
 @contextlib.contextmanager
@@ -550,7 +560,6 @@ def _int8_kn_m1(x, w_codes, bk):
     """
     k, n = w_codes.shape
     p_rows = k // bk
-
     w3 = w_codes.reshape(p_rows, bk, n)
     x3 = x.astype(f32).reshape(p_rows, bk)
     terms = [(x3[:, j, None], w3[:, j].astype(f32)) for j in range(bk)]
