@@ -49,25 +49,30 @@ class _ScaledResidual(nn.Module):
         return h
 
 
-W8_ROWS_BUG = pytest.mark.xfail(
-    strict=True,
-    reason="known: weight-only int8 at more than one row multiplies its column scales"
-    " outside any isolated computation, so XLA fuses that multiply with the residual"
-    " differently when the scales are computed (QAT) or stored (PTQ)",
-)
-
-
 @pytest.mark.parametrize(
     ("rules", "rows"),
     [
         (DYNAMIC, 1),
         (DYNAMIC, 4),
         ([Rule(weight_qtype="int8")], 1),
-        pytest.param([Rule(weight_qtype="int8")], 4, marks=W8_ROWS_BUG),
+        ([Rule(weight_qtype="int8")], 4),
+        ([Rule(weight_qtype="int8")], 40),
+        ([Rule(weight_qtype="int4")], 4),
         ([Rule(weight_qtype="int4", tile_size=32)], 1),
         ([Rule(weight_qtype="int4", tile_size=32)], 4),
+        ([Rule(weight_qtype="nf4", tile_size=32)], 4),
     ],
-    ids=["w8a8-1", "w8a8-4", "w8-1", "w8-4", "w4-tiles-1", "w4-tiles-4"],
+    ids=[
+        "w8a8-1",
+        "w8a8-4",
+        "w8-1",
+        "w8-4",
+        "w8-40",
+        "w4-4",
+        "w4-tiles-1",
+        "w4-tiles-4",
+        "nf4-tiles-4",
+    ],
 )
 def test_qat_equals_ptq_with_scaled_residuals(rules, rows):
     """Both sides of the residual's add are products; which one XLA contracts into a

@@ -146,13 +146,15 @@ def test_qcore_w8a8_bit_for_bit_and_routed_from_16_rows(m):
     np.testing.assert_array_equal(np.asarray(native(x, q_w)), np.asarray(xla(x, q_w)))
 
 
+@pytest.mark.parametrize("weights", ["arguments", "closed over"])
 @pytest.mark.parametrize("m", [16, 40])
 @pytest.mark.parametrize("residual", ["y * c + h * d", "(y + b) * c + h * d"])
-def test_scaled_residuals_bit_for_bit(m, residual):
+def test_scaled_residuals_bit_for_bit(m, residual, weights):
     """Three w8a8 layers, each followed by a scaled residual, in one jit.
 
     Both sides of the add are products; XLA contracted a different one into a fused
-    multiply-add when the XLA path's row-scale multiply was fused with the add.
+    multiply-add when the XLA path's row-scale multiply was fused with the add. The
+    weights are the jitted function's arguments, or constants closed over by it.
     """
     q_ws = [
         qcore.quantize(
@@ -169,8 +171,9 @@ def test_scaled_residuals_bit_for_bit(m, residual):
             h = (y * 0.7 if residual == "y * c + h * d" else (y + b) * 0.7) + h * 0.25
         return h
 
+    run = model if weights == "arguments" else (lambda h, _, b: model(h, q_ws, b))
     h = jnp.asarray(RNG.standard_normal((m, 96)), jnp.float32)
-    native, xla = _lowered(model, True, h, q_ws, b), _lowered(model, False, h, q_ws, b)
+    native, xla = _lowered(run, True, h, q_ws, b), _lowered(run, False, h, q_ws, b)
     assert native.as_text().count("qkernels_w8a8") == (3 if ROUTED else 0)
     np.testing.assert_array_equal(np.asarray(native(h, q_ws, b)), np.asarray(xla(h, q_ws, b)))
 
@@ -227,18 +230,21 @@ def test_jax_export_needs_the_kernels_off():
 
 
 def test_gradients_are_those_of_the_xla_path():
-    """jax.grad through a routed w8a8 product works, and agrees with the XLA path's."""
+    """jax.grad and jvp through a routed w8a8 product equal the XLA path's bit for bit."""
     q_w = qcore.quantize(
         jnp.asarray(RNG.standard_normal((64, 32)), jnp.float32),
         qcore.HowToQuantize(qtype="int8", channelwise_axes=(1,)),
     )
     x = jnp.asarray(RNG.standard_normal((32, 64)), jnp.float32)
 
-    def grad(native):
-        with kernels.native_kernels(native):
-            return np.asarray(jax.jit(jax.grad(lambda x: jnp.sum(jnp.sin(_w8a8(x, q_w)))))(x))
+    t = jnp.asarray(RNG.standard_normal(x.shape), jnp.float32)
 
-    native, xla = grad(True), grad(False)
-    assert np.abs(xla).max() > 0
-    # The same formula, compiled around a different forward graph: equal to rounding.
-    np.testing.assert_allclose(native, xla, rtol=1e-5, atol=1e-6 * np.abs(xla).max())
+    def derivatives(native):
+        with kernels.native_kernels(native):
+            grad = jax.jit(jax.grad(lambda x: jnp.sum(jnp.sin(_w8a8(x, q_w)))))(x)
+            _, tangent = jax.jit(lambda x, t: jax.jvp(lambda x: _w8a8(x, q_w), (x,), (t,)))(x, t)
+        return np.asarray(grad), np.asarray(tangent)
+
+    for native, xla in zip(derivatives(True), derivatives(False), strict=True):
+        assert np.abs(xla).max() > 0
+        np.testing.assert_array_equal(native, xla)

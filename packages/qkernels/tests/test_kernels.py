@@ -188,6 +188,39 @@ def test_scaled_residuals_equal_bit_for_bit(kind, groups, residual):
     np.testing.assert_array_equal(native, xla)
 
 
+@pytest.mark.parametrize("weights", ["closed over", "vmapped", "all constant"])
+@pytest.mark.parametrize(("kind", "groups"), [("int8", 1), ("int4", 1), ("int4", 2), ("nf4", 2)])
+def test_constant_or_vmapped_weights_equal_bit_for_bit(kind, groups, weights):
+    """Weights that are constants of the jit, or mapped over by ``vmap``, then a residual.
+
+    ``jax.jit(lambda x: model.apply(params, x))`` makes the weights constants, and
+    ``vmap`` over a stack of weights batches everything that reads them: neither may
+    undo the isolation that keeps the XLA path's product apart from ``y * c + h * d``.
+    With the activations constant too, XLA must not compute the product while
+    compiling (its evaluator does not fuse multiply-adds).
+    """
+    k = 256
+    layers = [_layer(kind, k, k, groups) for _ in range(3)]
+    f = layers[0][2]
+    params = [(w, s) for w, s, _ in layers]
+
+    def model(h, params):
+        for w, s in params:
+            h = f(h, w, s) * 0.7 + h * 0.25
+        return h
+
+    h = jnp.asarray(RNG.standard_normal((1, k)), jnp.float32)
+    if weights == "closed over":
+        xla, native = _both(lambda h: model(h, params), h)
+    elif weights == "all constant":
+        xla, native = _both(lambda: model(h, params))
+    else:
+        stacks = jax.tree.map(lambda a: jnp.stack([a, a[::-1]]), params)
+        xla, native = _both(jax.vmap(model, in_axes=(None, 0)), h, stacks)
+    assert np.isfinite(xla).all() and np.abs(xla).max() > 0
+    np.testing.assert_array_equal(native, xla)
+
+
 @pytest.mark.parametrize("kind", ["int4", "nf4"])
 def test_group_scales_computed_in_the_jit_equal_bit_for_bit(kind):
     """Tile scales that are themselves a sum of products, computed in the same jit."""
@@ -313,7 +346,7 @@ def test_public_api():
     ("kind", "groups"), [("int8", 1), ("int4", 1), ("nf4", 1), ("int4", 4), ("nf4", 2)]
 )
 def test_gradients_are_those_of_the_xla_path(kind, groups):
-    """jax.grad, jvp and vmap(grad) through a covered product work as without qkernels.
+    """jax.grad, jvp and vmap(grad) through a covered product equal the XLA path's.
 
     With group scales the gradient with respect to the scales goes through the kernel
     call too (the scales are one of its operands).
@@ -334,7 +367,41 @@ def test_gradients_are_those_of_the_xla_path(kind, groups):
         return [np.asarray(a) for a in (*g, per_example, t)]
 
     for native, xla in zip(grads(True), grads(False), strict=True):
-        np.testing.assert_allclose(native, xla, rtol=1e-6, atol=1e-6)
+        np.testing.assert_array_equal(native, xla)
+
+
+@pytest.mark.parametrize(
+    ("kind", "groups"), [("int8", 1), ("int4", 1), ("nf4", 1), ("int4", 4), ("nf4", 2)]
+)
+def test_forward_mode_derivatives_equal_bit_for_bit(kind, groups):
+    """jvp, linearize and jacfwd with respect to the activations equal the XLA path's.
+
+    Only the activations have tangents: on the XLA path the scales' are symbolic
+    zeros, and a derivative rule that adds their zero terms rounds the tangent's sums
+    differently. Three layers with a scaled residual after each, as a model runs them.
+    """
+    k = 64
+    layers = [_layer(kind, k, k, groups) for _ in range(3)]
+    f = layers[0][2]
+
+    def chain(h, params):
+        for w, s in params:
+            h = f(h, w, s) * 0.7 + h * 0.25
+        return h
+
+    x, t = (jnp.asarray(RNG.standard_normal((1, k)), jnp.float32) for _ in range(2))
+    params = [(w, s) for w, s, _ in layers]
+    for transform, calls in [
+        (lambda x, t, p: jax.jvp(lambda h: chain(h, p), (x,), (t,)), True),
+        (lambda x, t, p: jax.linearize(lambda h: chain(h, p), x)[1](t), False),
+        (lambda x, t, p: jax.jacfwd(lambda h: chain(h, p))(x), False),
+    ]:
+        xla, native = (
+            jax.tree.leaves(_traced(transform, on, x, t, params, calls=on and calls)(x, t, params))
+            for on in (False, True)
+        )
+        for a, b in zip(native, xla, strict=True):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 @pytest.mark.parametrize(

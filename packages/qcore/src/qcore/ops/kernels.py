@@ -52,6 +52,7 @@ import os
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.custom_derivatives import SymbolicZero
 
 from qcore import numerics
 from qcore.ops import _backend
@@ -118,6 +119,8 @@ def _pairwise_sum(rows):
     its own), and in that order the partial rows are consumed first to last, so a
     kernel reads the weight front to back.
     """
+    if rows.shape[0] == 0:  # K = 0: the sum of nothing
+        return jnp.zeros((1, rows.shape[1]), rows.dtype)
     while rows.shape[0] > 1:
         p = rows.shape[0]
         h = p // 2
@@ -161,60 +164,91 @@ def _qkernels():
     return qkernels
 
 
-def _native_call(native, xla, *args):
-    """``native(*args)``, differentiated as ``xla``, the formulation it reproduces.
+def _isolated(fn, x, w, *rest, xla=None):
+    """``fn(x, w, *rest)`` as an XLA computation of its own, differentiated as ``xla``.
 
-    An FFI call has no derivative of its own; its values are those of ``xla``, so the
-    derivatives are too (``jax.grad``, ``jvp``, ``vmap`` of either, as without
-    qkernels). Neither computes the final multiply by the column scales: the caller
-    does it in XLA, inside the same isolated computation on both paths
-    (:func:`_isolated`), so the scaled product is rounded before anything after it.
+    ``xla`` (default ``fn``) is qcore's formulation of what ``fn`` computes; ``fn`` may
+    instead call a qkernels kernel giving the same values. Both paths must compute a
+    product qkernels covers this way, so that they agree bit for bit:
+
+    - **Values.** A kernel call's operands and result are always buffers, but XLA:CPU
+      merged the pure-XLA product's fusion with the elementwise operations before and
+      after it. In ``y * c + h * d`` LLVM contracts one of the two multiplies into a
+      fused multiply-add, and which one depended on that merge, so the two paths
+      differed in the last bit (most outputs after a few layers). A conditional is
+      opaque to fusion, so ``fn`` runs as its branch (:func:`_opaque`). ``fn`` must
+      include the multiply by the column scales: outside, it was fused with the add
+      differently when the scales were stored (PTQ) and when they were computed in the
+      same jit (QAT).
+    - **Derivatives.** An FFI call has none, so on both paths the derivative rule is
+      ``xla``'s forward-mode derivative, outside the conditional (reverse mode
+      transposes it). The rule differentiates only the operands with nonzero tangents:
+      JAX's default passes zeros for the others (the scales of a weight held
+      constant), and their zero terms changed how the tangent's sums were contracted
+      into multiply-adds, so ``jvp`` differed between the paths. Under ``jvp`` the
+      primal is still the isolated ``fn``; inside one conditional with its tangent it
+      was fused with it and rounded differently.
     """
+    xla = xla or fn
 
     @jax.custom_jvp
-    def call(*args):
-        return native(*args)
+    def product(*args):
+        return _opaque(fn, *args)
 
-    @call.defjvp
-    def call_jvp(primals, tangents):
-        _, tangent = jax.jvp(xla, primals, tangents)
-        return call(*primals), tangent
+    def product_jvp(primals, tangents):
+        live = [i for i, t in enumerate(tangents) if not isinstance(t, SymbolicZero)]
 
-    return call(*args)
+        def of_live(*values):
+            args = list(primals)
+            for i, v in zip(live, values, strict=True):
+                args[i] = v
+            return xla(*args)
+
+        _, tangent = jax.jvp(of_live, [primals[i] for i in live], [tangents[i] for i in live])
+        return product(*primals), tangent
+
+    product.defjvp(product_jvp, symbolic_zeros=True)
+    return product(x, w, *rest)
 
 
-def _isolated(fn, x, w, *rest):
-    """``fn(x, w, *rest)`` as an XLA computation of its own, fused with nothing around it.
+def _opaque(fn, x, w, *rest):
+    """``fn(x, w, *rest)`` as the branch of a conditional XLA keeps (see :func:`_isolated`).
 
-    What qkernels replaces must be computed this way on the XLA path. A kernel call's
-    operands and result are always buffers, but XLA:CPU merged the pure-XLA product's
-    fusion with the elementwise operations before and after it. In ``y * c + h * d``
-    LLVM contracts one of the two multiplies into a fused multiply-add, and which one
-    depended on that merge, so the two paths differed in the last bit (most outputs
-    after a few layers). A conditional is opaque to fusion, so ``fn`` runs as its
-    branch. Its predicate is always true, but XLA cannot prove it: it reads one element
-    of ``w``, the integer weight codes. (Reading an activation instead gave it one more
-    reader, and XLA then computed the operations that produced the activation twice, in
-    two fusions that rounded differently; the same happened when an activation was
-    reshaped before entering the conditional.) ``fn`` must include the multiply by the
-    column scales: outside, it was fused with the add differently when the scales were
-    stored (PTQ) and when they were computed in the same jit (QAT).
+    ``fn`` returns the ``(M, N)`` float32 product: ``M`` the rows of ``x``, ``N`` the
+    columns of the last operand, its column scales. (Its shape is not found by
+    tracing ``fn``: that would trace every product twice.)
 
-    The predicate indexes ``w`` without reshaping it, so that under automatic sharding
-    XLA fetches one element, not the whole weight. The other branch, never taken, is
-    zeros computed from one element of every operand: under ``shard_map`` its result
-    then varies over the same mesh axes as ``fn``'s, as ``lax.cond`` requires.
+    The predicate is the constant 1 passed through ``lax.optimization_barrier``: always
+    true, but XLA does not look through the barrier, so it keeps the conditional even
+    where every operand is a constant of the jit (weights closed over by
+    ``jax.jit(lambda x: model.apply(params, x))``). A predicate read from the weight
+    was folded there, and under ``vmap`` over the weights became batched, which turns
+    a conditional into a select of both branches, fused like any other operation.
+    (Reading an activation instead gave it one more reader, and XLA then computed the
+    operations that produced the activation twice, in two fusions that rounded
+    differently.) The other branch, never taken, is zeros computed from one element of
+    every operand: under ``shard_map`` its result then varies over the same mesh axes
+    as ``fn``'s, as ``lax.cond`` requires. Inside the branch the operands pass through
+    a barrier too: where all of them are constants, XLA would otherwise compute ``fn``
+    while compiling, with its evaluator, which rounds every product before adding it
+    (no fused multiply-adds). XLA:CPU does not constant-fold through a barrier, and
+    its compiled code has none left: six chained 4096² layers at batch 1 and the Flax
+    stack at 8 and 64 rows ran 0.95–1.01× the times without the barriers, within the
+    noise, and gave the same values.
     """
-    if w.size == 0:
-        return fn(x, w, *rest)
-    always = (w[(0,) * w.ndim].astype(i32) | 1) != 0
-    out = jax.eval_shape(fn, x, w, *rest)
+    if any(a.size == 0 for a in jax.tree.leaves((x, w, rest))):
+        return fn(x, w, *rest)  # nothing to isolate, and no element for the other branch
+    always = lax.optimization_barrier(jnp.int32(1)) != 0
+    shape = (x.shape[0], rest[-1].shape[-1])  # (rows of x, columns of the column scales)
 
     def never(*operands):
-        zero = sum(a[(0,) * a.ndim].astype(out.dtype) * 0 for a in jax.tree.leaves(operands))
-        return jnp.broadcast_to(zero, out.shape)
+        zero = sum(a[(0,) * a.ndim].astype(f32) * 0 for a in jax.tree.leaves(operands))
+        return jnp.broadcast_to(zero, shape)
 
-    return lax.cond(always, fn, never, x, w, *rest)
+    def isolated(*operands):
+        return fn(*lax.optimization_barrier(operands))
+
+    return lax.cond(always, isolated, never, x, w, *rest)
 
 
 @contextlib.contextmanager
@@ -520,21 +554,14 @@ def _batch1(native, xla, x, w, w_scale):
     follows it.
     """
     if w_scale.shape[0] > 1:
-        if native is None:
-            return _isolated(xla, x, w, w_scale)
-        return _isolated(
-            lambda x, w, s: _native_call(lambda x, w, s: native(x, w, scales=s), xla, x, w, s),
-            x,
-            w,
-            w_scale,
-        )
+        kernel = xla if native is None else (lambda x, w, s: native(x, w, scales=s))
+        return _isolated(kernel, x, w, w_scale, xla=xla)
 
-    def per_column(x, w, s):
-        if native is None:
-            return xla(x, w, None) * s
-        return _native_call(native, lambda x, w: xla(x, w, None), x, w) * s
+    def per_column(product):
+        return lambda x, w, s: product(x, w) * s
 
-    return _isolated(per_column, x, w, w_scale)
+    unscaled = per_column(lambda x, w: xla(x, w, None))
+    return _isolated(per_column(native) if native else unscaled, x, w, w_scale, xla=unscaled)
 
 
 def _lookup4(index, levels):
@@ -680,17 +707,19 @@ def _native_w8a8(x_codes, x_scale, w_codes, w_scale, layout):
     if x_codes.dtype != i8 or w_codes.dtype != i8:
         return None
 
-    def scaled(x_codes, w_codes, x_scale, w_scale):
-        rows = _native_call(
-            lambda *a: native.w8a8(*a, w_layout=layout),
-            lambda x, xs, w: _w8a8_rows(x, xs, w, layout),
-            x_codes,
-            x_scale,
-            w_codes,
-        )
-        return rows * w_scale
+    return _isolated(
+        _w8a8_scaled(lambda x, xs, w: native.w8a8(x, xs, w, w_layout=layout)),
+        x_codes,
+        w_codes,
+        x_scale,
+        w_scale,
+        xla=_w8a8_scaled(lambda x, xs, w: _w8a8_rows(x, xs, w, layout)),
+    )
 
-    return _isolated(scaled, x_codes, w_codes, x_scale, w_scale)
+
+def _w8a8_scaled(rows):
+    """``(x_codes, w_codes, x_scale, w_scale) -> rows(x_codes, x_scale, w_codes) * w_scale``."""
+    return lambda x_codes, w_codes, x_scale, w_scale: rows(x_codes, x_scale, w_codes) * w_scale
 
 
 # ----------------------------------------------------------------------------------------------
@@ -734,14 +763,16 @@ def w8a8(x_codes, x_scale, w_codes, w_scale, *, layout="nk", block=None):
         and (m != 1 or k * w_codes.shape[1] <= _W8A8_KN_INT8_MAX_WEIGHT)
     ):
         return _isolated(
-            lambda xc, w, xs, ws: _w8a8_rows(xc, xs, w, layout) * ws,
+            _w8a8_scaled(lambda x, xs, w: _w8a8_rows(x, xs, w, layout)),
             x_codes,
             w_codes,
             x_scale,
             w_scale,
         )
-    cdt = f32 if m == 1 else bf16
-    return _scan_k(x_codes, w_codes, cdt, block or _pick_block(k, 512)) * x_scale * w_scale
+    cdt, bk = f32 if m == 1 else bf16, block or _pick_block(k, 512)
+    return _isolated(
+        lambda xc, w, xs, ws: _scan_k(xc, w, cdt, bk) * xs * ws, x_codes, w_codes, x_scale, w_scale
+    )
 
 
 def _w8a8_rows(x_codes, x_scale, w_codes, layout):
@@ -868,13 +899,14 @@ def fast_dot_general(lhs, rhs, dims, precision):
         if k % 2 or (k // groups) % 2:
             return None
         group_size = k // groups if groups > 1 else None
-        y = codebook4_packed_weight_only(
+        y = _weight_only(
+            lambda x, w, s: codebook4_packed_weight_only(
+                x, w, s, rhs.qtype.codebook, group_size=group_size, precision=prec
+            ),
             lhs.reshape(m, k),
             codes,
             scale,
-            rhs.qtype.codebook,
-            group_size=group_size,
-            precision=prec,
+            layout,
         )
         return y.reshape(*lhs.shape[: lhs.ndim - c], *free)
     if packing is not None:
@@ -897,9 +929,35 @@ def fast_dot_general(lhs, rhs, dims, precision):
         y = w8a8(lhs.qvalue.reshape(m, k), x_scale.reshape(m, 1), codes, scale, layout=layout)
     elif packed4:
         group_size = k // groups if groups > 1 else None
-        y = int4_packed_weight_only(
-            lhs.reshape(m, k), codes, scale, group_size=group_size, layout=layout, precision=prec
+        y = _weight_only(
+            lambda x, w, s: int4_packed_weight_only(
+                x, w, s, group_size=group_size, layout=layout, precision=prec
+            ),
+            lhs.reshape(m, k),
+            codes,
+            scale,
+            layout,
         )
     else:
-        y = int8_weight_only(lhs.reshape(m, k), codes, scale, layout=layout, precision=prec)
+        y = _weight_only(
+            lambda x, w, s: int8_weight_only(x, w, s, layout=layout, precision=prec),
+            lhs.reshape(m, k),
+            codes,
+            scale,
+            layout,
+        )
     return y.reshape(*lead, *free)
+
+
+def _weight_only(product, x, w, w_scale, layout):
+    """``product(x, w, w_scale)``, isolated (:func:`_isolated`) where it is not already.
+
+    Batch 1 with a ``(K, N)`` weight is isolated inside the product (:func:`_batch1`).
+    Every other weight-only formulation is isolated here, with its column-scale
+    multiply: outside, that multiply was fused with a following ``y * c + h * d``
+    differently when the scales were stored (PTQ) and when they were computed in the
+    jit (QAT), so a QAT model's forward differed from its PTQ model's in the last bit.
+    """
+    if layout == "kn" and x.shape[0] == 1:
+        return product(x, w, w_scale)
+    return _isolated(product, x, w, w_scale)
