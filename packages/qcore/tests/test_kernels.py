@@ -457,6 +457,25 @@ def test_an_empty_contraction_gives_zeros_like_jnp(qtype, rows):
 
 
 @pytest.mark.parametrize("kind", ["int8", "int4", "nf4"])
+def test_the_batch1_kernels_broadcast_a_single_scale(kind):
+    """A ``(1, 1)`` scale multiplies every column: the result keeps the weight's N."""
+    x, s = jnp.ones((1, 4)), jnp.full((1, 1), 0.5)
+    call = {
+        "int8": lambda: kernels.int8_weight_only(x, jnp.full((4, 3), 2, jnp.int8), s, layout="kn"),
+        "int4": lambda: kernels.int4_packed_weight_only(
+            x, jnp.full((2, 3), 0x22, jnp.uint8), s, layout="kn"
+        ),
+        "nf4": lambda: kernels.codebook4_packed_weight_only(
+            x, jnp.full((2, 3), 0xFF, jnp.uint8), s, qtypes.get("nf4").codebook
+        ),
+    }[kind]
+    for native in (False, True):
+        with kernels.native_kernels(native):
+            y = jax.jit(call)()
+        np.testing.assert_array_equal(np.asarray(y), np.full((1, 3), 4.0 if kind != "nf4" else 2.0))
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4", "nf4"])
 def test_the_batch1_kernels_give_one_row_of_zeros_for_k_0(kind):
     """``kernels.*_weight_only`` at K = 0 and one row: ``(1, N)`` zeros on both paths."""
     x, s = jnp.ones((1, 0)), jnp.ones((1, 5))

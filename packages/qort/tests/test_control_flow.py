@@ -66,6 +66,15 @@ CONTROL = {
         jnp.argmax(x[0, :3]), [jnp.sin, jnp.cos, lambda v: v * 2], x
     ),
     "cond_on_constant": lambda x: jax.lax.cond(True, jnp.sin, jnp.cos, x),
+    # qcore isolates quantized products this way: a predicate XLA cannot fold, and
+    # the operands behind a barrier of several values.
+    "cond_behind_barriers": lambda x: jax.lax.cond(
+        jax.lax.optimization_barrier(jnp.int32(1)) != 0,
+        lambda a, b: jnp.multiply(*jax.lax.optimization_barrier((a, b))),
+        lambda a, b: a - b,
+        x,
+        jnp.sin(x),
+    ),
     "remat": lambda x: jax.checkpoint(lambda v: jnp.tanh(v) @ v.T)(x),
 }
 

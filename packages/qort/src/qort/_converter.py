@@ -13,6 +13,9 @@ example inputs (the *reference*, which validation feeds to each op on its own).
   on constants only runs a number of steps known at export. A ``cond`` / ``switch``
   on a constant is its branch; on a graph value, every branch is computed and the
   outputs selected (``Where``). Each step is lowered (and validated) again.
+- ``optimization_barrier`` (a hint to XLA; qcore isolates its quantized products
+  behind barriers) passes its operands through: no node, and constants stay
+  constants.
 - Equations whose results nothing reads (Flax's scan leaves a dead copy of its
   body's first call outside the loop) are skipped.
 - An equation whose inputs are all constants is folded: its JAX value becomes an
@@ -150,6 +153,8 @@ class _Walker:
             return self.while_loop(eqn, ins, rins)
         if prim == "cond":
             return self.cond(eqn, ins, rins)
+        if prim == "optimization_barrier":  # a hint to XLA: its outputs are its inputs
+            return ins, rins
         routs = eqn.primitive.bind(*rins, **eqn.params)
         routs = list(routs) if eqn.primitive.multiple_results else [routs]
         if all(isinstance(v, Const) for v in ins) and not self._keep_unfolded(eqn, ins):

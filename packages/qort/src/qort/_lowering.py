@@ -1092,7 +1092,6 @@ LOWERINGS: dict[str, Lowering] = {
     "copy_p": _identity,
     "stop_gradient": _identity,
     "reduce_precision": _identity,
-    "optimization_barrier": _identity,
     "reshape": _reshape,
     "squeeze": _to_out_shape,
     "expand_dims": _to_out_shape,

@@ -164,8 +164,10 @@ def _qkernels():
     return qkernels
 
 
-def _isolated(fn, x, w, *rest, xla=None):
+def _isolated(fn, x, w, *rest, n, xla=None):
     """``fn(x, w, *rest)`` as an XLA computation of its own, differentiated as ``xla``.
+
+    ``fn`` returns the ``(M, n)`` float32 product, ``M`` the rows of ``x``.
 
     ``xla`` (default ``fn``) is qcore's formulation of what ``fn`` computes; ``fn`` may
     instead call a qkernels kernel giving the same values. Both paths must compute a
@@ -193,7 +195,7 @@ def _isolated(fn, x, w, *rest, xla=None):
 
     @jax.custom_jvp
     def product(*args):
-        return _opaque(fn, *args)
+        return _opaque(fn, (x.shape[0], n), *args)
 
     def product_jvp(primals, tangents):
         live = [i for i, t in enumerate(tangents) if not isinstance(t, SymbolicZero)]
@@ -211,12 +213,11 @@ def _isolated(fn, x, w, *rest, xla=None):
     return product(x, w, *rest)
 
 
-def _opaque(fn, x, w, *rest):
+def _opaque(fn, shape, x, w, *rest):
     """``fn(x, w, *rest)`` as the branch of a conditional XLA keeps (see :func:`_isolated`).
 
-    ``fn`` returns the ``(M, N)`` float32 product: ``M`` the rows of ``x``, ``N`` the
-    columns of the last operand, its column scales. (Its shape is not found by
-    tracing ``fn``: that would trace every product twice.)
+    ``fn`` returns a float32 array of ``shape``, given by the caller: finding it by
+    tracing ``fn`` would trace every product twice.
 
     The predicate is the constant 1 passed through ``lax.optimization_barrier``: always
     true, but XLA does not look through the barrier, so it keeps the conditional even
@@ -239,7 +240,6 @@ def _opaque(fn, x, w, *rest):
     if any(a.size == 0 for a in jax.tree.leaves((x, w, rest))):
         return fn(x, w, *rest)  # nothing to isolate, and no element for the other branch
     always = lax.optimization_barrier(jnp.int32(1)) != 0
-    shape = (x.shape[0], rest[-1].shape[-1])  # (rows of x, columns of the column scales)
 
     def never(*operands):
         zero = sum(a[(0,) * a.ndim].astype(f32) * 0 for a in jax.tree.leaves(operands))
@@ -555,13 +555,14 @@ def _batch1(native, xla, x, w, w_scale):
     """
     if w_scale.shape[0] > 1:
         kernel = xla if native is None else (lambda x, w, s: native(x, w, scales=s))
-        return _isolated(kernel, x, w, w_scale, xla=xla)
+        return _isolated(kernel, x, w, w_scale, n=w.shape[1], xla=xla)
 
     def per_column(product):
         return lambda x, w, s: product(x, w) * s
 
     unscaled = per_column(lambda x, w: xla(x, w, None))
-    return _isolated(per_column(native) if native else unscaled, x, w, w_scale, xla=unscaled)
+    kernel = per_column(native) if native else unscaled
+    return _isolated(kernel, x, w, w_scale, n=w.shape[1], xla=unscaled)
 
 
 def _lookup4(index, levels):
@@ -713,6 +714,7 @@ def _native_w8a8(x_codes, x_scale, w_codes, w_scale, layout):
         w_codes,
         x_scale,
         w_scale,
+        n=_columns(w_codes, layout),
         xla=_w8a8_scaled(lambda x, xs, w: _w8a8_rows(x, xs, w, layout)),
     )
 
@@ -768,10 +770,16 @@ def w8a8(x_codes, x_scale, w_codes, w_scale, *, layout="nk", block=None):
             w_codes,
             x_scale,
             w_scale,
+            n=_columns(w_codes, layout),
         )
     cdt, bk = f32 if m == 1 else bf16, block or _pick_block(k, 512)
     return _isolated(
-        lambda xc, w, xs, ws: _scan_k(xc, w, cdt, bk) * xs * ws, x_codes, w_codes, x_scale, w_scale
+        lambda xc, w, xs, ws: _scan_k(xc, w, cdt, bk) * xs * ws,
+        x_codes,
+        w_codes,
+        x_scale,
+        w_scale,
+        n=_columns(w_codes, layout),
     )
 
 
@@ -960,4 +968,9 @@ def _weight_only(product, x, w, w_scale, layout):
     """
     if layout == "kn" and x.shape[0] == 1:
         return product(x, w, w_scale)
-    return _isolated(product, x, w, w_scale)
+    return _isolated(product, x, w, w_scale, n=_columns(w, layout))
+
+
+def _columns(w, layout):
+    """N, the product's columns, of a ``(N, K)`` (``"nk"``) or ``(K, N)`` weight."""
+    return w.shape[0] if layout == "nk" else w.shape[1]
