@@ -104,6 +104,9 @@ CASES = [
     ("int8", 384, 1536, 1),  # MiniLM's FFN
     ("int8", 1536, 384, 1),
     ("int8", 11008, 256, 1),  # 688 partial rows: carries at several levels
+    ("int8", 17, 200, 1),  # bk = 1: one weight row per partial row
+    ("int8", 34, 72, 1),  # bk = 2: the first pair of rows only
+    ("int8", 45, 100, 1),  # bk = 15; 100 columns: a line of 64, 32 more, a scalar tail
     ("int4", 4096, 4096, 1),
     ("int4", 4096, 4096, 32),  # group scales (tiles of 128)
     ("int4", 384, 1536, 3),  # tiles of 128 over 24 partial rows: carried rows
