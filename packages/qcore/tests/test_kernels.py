@@ -475,12 +475,17 @@ def test_the_batch1_kernels_broadcast_a_single_scale(kind):
         np.testing.assert_array_equal(np.asarray(y), np.full((1, 3), 4.0 if kind != "nf4" else 2.0))
 
 
-@pytest.mark.parametrize("kind", ["int8", "int4", "nf4"])
+@pytest.mark.parametrize("kind", ["int8", "int8 nk", "int4", "nf4"])
 def test_the_batch1_kernels_give_one_row_of_zeros_for_k_0(kind):
-    """``kernels.*_weight_only`` at K = 0 and one row: ``(1, N)`` zeros on both paths."""
+    """``kernels.*_weight_only`` at K = 0 and one row: ``(1, N)`` zeros on both paths.
+
+    ``int8 nk`` (an ``(N, K)`` weight) raised: its activations' digits took a maximum
+    over no elements.
+    """
     x, s = jnp.ones((1, 0)), jnp.ones((1, 5))
     call = {
         "int8": lambda: kernels.int8_weight_only(x, jnp.zeros((0, 5), jnp.int8), s, layout="kn"),
+        "int8 nk": lambda: kernels.int8_weight_only(x, jnp.zeros((5, 0), jnp.int8), s, layout="nk"),
         "int4": lambda: kernels.int4_packed_weight_only(
             x, jnp.zeros((0, 5), jnp.uint8), s, layout="kn"
         ),
@@ -522,3 +527,64 @@ def test_kernel_paths_run_under_shard_map_with_a_split_weight(qtype, pack, act, 
     spec = jax.tree.map(lambda a: P(None, "model") if a.ndim == 2 else P(), q)
     sharded = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(P(), spec), out_specs=P(None, "model")))
     np.testing.assert_array_equal(np.asarray(sharded(x, q)), np.asarray(jax.jit(f)(x, q)))
+
+
+SPLIT_BATCH = [  # (qtype, layout, tile along K, int8 activations)
+    ("int8", "kn", None, False),
+    ("int8", "nk", None, False),
+    ("int8", "kn", None, True),
+    ("int8", "nk", None, True),
+    ("int4", "kn", None, False),
+    ("int4", "kn", 32, False),
+    ("int4", "nk", None, False),
+    ("nf4", "kn", None, False),
+    ("nf4", "kn", 32, False),
+]
+
+
+@pytest.mark.parametrize("rows", [1, 4, 40])
+@pytest.mark.parametrize(("qtype", "layout", "tile", "act"), SPLIT_BATCH)
+def test_kernel_paths_run_under_shard_map_with_a_split_batch(qtype, layout, tile, act, rows):
+    """Data parallel on one device: the activations split along the batch, the weight whole.
+
+    Every product that varies with the activations must be typed as varying over the
+    mesh axis: a scan's zeros carry and a native kernel's result were not, and
+    shard_map raised. Values and gradients equal the unsharded function's, bit for
+    bit, on the XLA path and (where qkernels is installed) the native one.
+    """
+    from jax.sharding import Mesh  # noqa: PLC0415
+    from jax.sharding import PartitionSpec as P  # noqa: PLC0415
+
+    rng = np.random.default_rng(1)
+    mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
+    k, n = 64, 32
+    w = jnp.asarray(rng.standard_normal((k, n)), jnp.float32)
+    axis = 0 if layout == "kn" else 1  # the weight's K axis
+    how = qcore.HowToQuantize(
+        qtype=qtype,
+        channelwise_axes=(1 - axis,),
+        tiled_axes={axis: tile} if tile else (),
+        pack=qtype != "int8",
+        pack_axis=axis,
+    )
+    q = qcore.quantize(w if layout == "kn" else w.T, how)
+    dims = (((1,), (axis,)), ((), ()))
+    x = jnp.asarray(rng.standard_normal((rows, k)), jnp.float32)
+
+    def f(x, q):
+        if act:
+            x = qcore.quantize(x, qcore.HowToQuantize(qtype="int8", channelwise_axes=(0,)))
+        return qcore.dot_general(x, q, dims)
+
+    def sharded(x, q):
+        return jax.shard_map(f, mesh=mesh, in_specs=(P("data"), P()), out_specs=P("data"))(x, q)
+
+    def grad(g):
+        return jax.grad(lambda x, q: jnp.sum(g(x, q) ** 2))
+
+    for native in (False, True):
+        with kernels.native_kernels(native):
+            for got, want in [(sharded, f), (grad(sharded), grad(f))]:
+                np.testing.assert_array_equal(
+                    np.asarray(jax.jit(got)(x, q)), np.asarray(jax.jit(want)(x, q))
+                )

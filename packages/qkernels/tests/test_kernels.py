@@ -331,6 +331,45 @@ def test_an_empty_weight_gives_zeros(kind):
     np.testing.assert_array_equal(np.asarray(jax.jit(call)()), np.zeros((1, 5), np.float32))
 
 
+def test_results_vary_where_their_operands_vary_under_shard_map():
+    """Under ``shard_map`` a kernel's result varies over the mesh axes its operands vary over.
+
+    A foreign call's result is otherwise typed as the same on every device: a scan or
+    conditional around it raised, and ``out_specs=P()`` would take one device's result
+    for all of them.
+    """
+    from jax.sharding import Mesh  # noqa: PLC0415
+    from jax.sharding import PartitionSpec as P  # noqa: PLC0415
+
+    mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
+    xf = jnp.asarray(RNG.standard_normal((1, 8)), jnp.float32)
+    xi = jnp.asarray(RNG.integers(-128, 128, (3, 8)), jnp.int8)
+    w8 = jnp.asarray(RNG.integers(-128, 128, (8, 4)), jnp.int8)
+    w4 = jnp.asarray(RNG.integers(0, 256, (4, 4)), jnp.uint8)
+    s = jnp.asarray(RNG.random((2, 4)) + 0.1, jnp.float32)
+    calls = {
+        "int8_kn_batch1": (lambda x: qkernels.int8_kn_batch1(x, w8, 2), xf),
+        "int4_kn_batch1": (lambda x: qkernels.int4_kn_batch1(x, w4, 2, scales=s), xf),
+        "codebook4_kn_batch1": (lambda x: qkernels.codebook4_kn_batch1(x, w4, 2, NF4), xf),
+        "int8_gemm": (lambda x: qkernels.int8_gemm(x, w8), xi),
+        "w8a8": (lambda x: qkernels.w8a8(x, jnp.ones((x.shape[0], 1)), w8), xi),
+    }
+    for name, (f, x) in calls.items():
+        axes = []
+
+        def body(x, f=f, axes=axes):
+            y = f(x)
+            axes.append(jax.typeof(y).manual_axis_type.varying)
+            return y
+
+        got = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("data"), out_specs=P("data")))(x)
+        assert axes == [{"data"}], name
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(jax.jit(f)(x)), err_msg=name)
+        replicated = jax.shard_map(f, mesh=mesh, in_specs=P("data"), out_specs=P())
+        with pytest.raises(ValueError, match="could not infer replication"):
+            jax.jit(replicated)(x)
+
+
 def test_public_api():
     """The names users may rely on (the repository pins the other packages' APIs)."""
     assert sorted(qkernels.__all__) == [

@@ -5,6 +5,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from qkernels import _native  # pyright: ignore[reportAttributeAccessIssue]
 
@@ -61,12 +62,29 @@ def _group_scales(scales, w, bk: int):
     return scales.astype(jnp.float32)
 
 
-def _call(target: str, x, w, bk: int, *extra):
+def _varying(*arrays) -> set[str]:
+    """The ``shard_map`` mesh axes any of ``arrays`` varies over (none outside it)."""
+    return set().union(*(jax.typeof(a).manual_axis_type.varying for a in arrays))
+
+
+def _ffi(target: str, shape, dtype, *operands, **attrs):
+    """The kernel ``target``'s result, typed as varying where its operands vary.
+
+    Inside ``jax.shard_map`` a foreign call's result is typed as the same on every
+    device, whatever its operands; this one is computed from them, so it varies over
+    every mesh axis any of them varies over (else ``shard_map`` raised on a scan or
+    conditional around it, or could have taken one device's result for all).
+    """
     _registered()
-    n = w.shape[1]
-    out = jax.ShapeDtypeStruct((1, n), jnp.float32)
-    return jax.ffi.ffi_call(target, out, vmap_method="sequential")(
-        x.astype(jnp.float32), w, *extra, bk=np.int64(bk)
+    out = jax.ShapeDtypeStruct(shape, dtype)
+    y = jax.ffi.ffi_call(target, out, vmap_method="sequential")(*operands, **attrs)
+    axes = _varying(*operands) - _varying(y)
+    return lax.pcast(y, tuple(sorted(axes)), to="varying") if axes else y
+
+
+def _call(target: str, x, w, bk: int, *extra):
+    return _ffi(
+        target, (1, w.shape[1]), jnp.float32, x.astype(jnp.float32), w, *extra, bk=np.int64(bk)
     )
 
 
@@ -216,11 +234,7 @@ def int8_gemm(x, w, *, w_layout: str = "kn"):
         Array([[254, 254]], dtype=int32)
     """
     m, n = _check_gemm(x, w, w_layout)
-    _registered()
-    out = jax.ShapeDtypeStruct((m, n), jnp.int32)
-    return jax.ffi.ffi_call("qkernels_int8_gemm", out, vmap_method="sequential")(
-        x, w, w_nk=np.int64(w_layout == "nk")
-    )
+    return _ffi("qkernels_int8_gemm", (m, n), jnp.int32, x, w, w_nk=np.int64(w_layout == "nk"))
 
 
 def w8a8(x, x_scale, w, *, w_layout: str = "kn"):
@@ -254,8 +268,7 @@ def w8a8(x, x_scale, w, *, w_layout: str = "kn"):
     m, n = _check_gemm(x, w, w_layout)
     if tuple(jnp.shape(x_scale)) != (m, 1):
         raise ValueError(f"x_scale: shape {tuple(jnp.shape(x_scale))}; allowed: {(m, 1)}")
-    _registered()
-    out = jax.ShapeDtypeStruct((m, n), jnp.float32)
-    return jax.ffi.ffi_call("qkernels_w8a8", out, vmap_method="sequential")(
-        x, jnp.asarray(x_scale, jnp.float32), w, w_nk=np.int64(w_layout == "nk")
+    x_scale = jnp.asarray(x_scale, jnp.float32)
+    return _ffi(
+        "qkernels_w8a8", (m, n), jnp.float32, x, x_scale, w, w_nk=np.int64(w_layout == "nk")
     )

@@ -71,10 +71,10 @@ def _x_digits(x, nd):
 
     Balanced base-256 digits of round(x / s), s = max|x_row| / (127 * 256**(nd-1)).
     A row holding NaN or inf gets a NaN or inf scale, so its outputs are not finite;
-    an all-zero row gets scale 1.
+    an all-zero or empty (K = 0) row gets scale 1.
     """
     top = 127 * 256 ** (nd - 1)
-    amax = jnp.max(jnp.abs(x), axis=1, keepdims=True)
+    amax = jnp.max(jnp.abs(x), axis=1, keepdims=True, initial=0.0)
     scale = jnp.where(amax == 0, jnp.ones_like(amax), amax / top).astype(f32)
     v = jnp.round(x / scale).astype(i32)
     digits = []
@@ -293,6 +293,18 @@ def _pick_block(total, target):
     return b
 
 
+def _zeros_varying_like(shape, *operands):
+    """float32 zeros, typed as varying over every ``shard_map`` axis ``operands`` vary over.
+
+    A scan's carry must keep its type: zeros made from nothing are the same on every
+    device, while the sums added to them vary wherever the activations are split, and
+    ``lax.scan`` raised. Outside ``shard_map`` these are plain zeros.
+    """
+    zeros = jnp.zeros(shape, f32)
+    axes = set().union(*(jax.typeof(a).manual_axis_type.varying for a in operands))
+    return lax.pcast(zeros, tuple(sorted(axes)), to="varying") if axes else zeros
+
+
 def _scan_k(x, w_kn, cdt, bk):
     """``x (M, K) @ w_kn (K, N)`` as a scan over K blocks of ``bk`` rows, f32 accumulation.
 
@@ -308,7 +320,7 @@ def _scan_k(x, w_kn, cdt, bk):
         xi, wi = xw
         return acc + lax.dot(xi, wi.astype(cdt), preferred_element_type=f32), None
 
-    acc, _ = lax.scan(body, jnp.zeros((m, n), f32), (xb, w_kn.reshape(nb, bk, n)))
+    acc, _ = lax.scan(body, _zeros_varying_like((m, n), xb, w_kn), (xb, w_kn.reshape(nb, bk, n)))
     return acc
 
 
@@ -678,7 +690,7 @@ def _int4_kn(x, w_packed, w_scale, group_size, precision, block, levels=None):
             xoi, hi, preferred_element_type=f32
         ), None
 
-    acc, _ = lax.scan(body, jnp.zeros((m, n), f32), (xe, xo, q, sc))
+    acc, _ = lax.scan(body, _zeros_varying_like((m, n), xe, xo, q, sc), (xe, xo, q, sc))
     return acc if grouped else acc * w_scale
 
 
