@@ -218,6 +218,17 @@ with jax.set_mesh(mesh):
     assert kernels.fast_dot_general(xs, qs, dims, None) is None
     y = jax.jit(lambda a, b: qcore.dot_general(a, b, dims))(xs, qs)
 np.testing.assert_allclose(np.asarray(y), ref, rtol=1e-5, atol=1e-5)
+# Tiles along K with int8 activations: the grouped integer path, also placed by XLA.
+how = qcore.HowToQuantize(qtype="int4", channelwise_axes=(1,), tiled_axes={0: 16})
+q4 = qcore.quantize(jax.random.normal(jax.random.key(2), (64, 32)), how)
+act = qcore.HowToQuantize(qtype="int8", channelwise_axes=(0,))
+f = jax.jit(lambda a, b: qcore.dot_general(qcore.quantize(a, act), b, dims))
+ref = np.asarray(f(x, q4))
+with jax.set_mesh(mesh):
+    xs = jax.device_put(x, NamedSharding(mesh, P("data", None)))
+    q4s = jax.tree.map(lambda a: jax.device_put(a, NamedSharding(mesh, P(None, "model"))), q4)
+    y = f(xs, q4s)
+np.testing.assert_allclose(np.asarray(y), ref, rtol=1e-5, atol=1e-5)
 print("ok")
 """
 

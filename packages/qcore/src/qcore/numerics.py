@@ -108,9 +108,33 @@ def _select(condition: jax.Array, x: jax.Array | float, y: jax.Array | float) ->
     The quantization arithmetic runs once per quantized op of a model; ``jnp.where``
     traces a nested ``jit`` call each time, which XLA must inline again.
     """
+    if split_explicitly(condition, x, y):
+        # jnp.broadcast_to would make the broadcast operands unsharded, and select
+        # refuses operands of different shardings; jnp.where gives them the sharding
+        # of the others.
+        return jnp.where(condition, jnp.asarray(x, jnp.float32), jnp.asarray(y, jnp.float32))
     shape = jnp.broadcast_shapes(jnp.shape(condition), jnp.shape(x), jnp.shape(y))
     x, y = (jnp.broadcast_to(jnp.asarray(a, jnp.float32), shape) for a in (x, y))
     return jax.lax.select(jnp.broadcast_to(condition, shape), x, y)
+
+
+def split_explicitly(*arrays: jax.Array | float) -> bool:
+    """Whether any of ``arrays`` is split across devices by an explicit-axes mesh.
+
+    Under ``jax.sharding.AxisType.Explicit`` an array's type carries its sharding,
+    and some of qcore's fast formulations (which broadcast or accumulate in unsharded
+    arrays) give way to ones XLA places itself.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> split_explicitly(jnp.ones((2, 3)), 1.0)
+        False
+    """
+    for a in arrays:
+        spec = getattr(getattr(jax.typeof(a), "sharding", None), "spec", None)
+        if spec is not None and any(p is not None for p in spec):
+            return True
+    return False
 
 
 def repeat(a: jax.Array, times: int, axis: int) -> jax.Array:

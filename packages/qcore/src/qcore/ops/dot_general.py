@@ -354,13 +354,16 @@ def scaled_dot_general(a: Operand, b: Operand, dims, precision: Any = None) -> A
         return jnp.sum(out, axis=tuple(range(nb, nb + ng))) if ng else out
 
     out = acc.astype(jnp.float32)
-    if ng and _backend.platform() == "cpu":
+    grouped = math.prod(groups) > 1
+    if grouped and _backend.platform() == "cpu" and not numerics.split_explicitly(out):
         # Each group's sums are scaled, then the groups added. With a scale that is a
         # constant of the jit (a weight closed over by the jitted function) XLA:CPU
         # compiled that multiply-and-sum differently (the constant inside the fusion)
         # and the outputs moved by float32 rounding: 690 of 2560 for int4 tiles with
         # int8 activations at 40 rows. As a conditional's branch it gets the scales
         # as operands either way (a barrier alone did not keep the constant out).
+        # (Not under explicit sharding: there the conditional's untaken branch could not
+        # give the taken one's sharded type, and XLA places the contraction itself.)
         shape = out.shape[:nb] + out.shape[nb + ng :]
         return kernels._opaque(scaled, shape, out, a.scale, b.scale)
     return scaled(out, a.scale, b.scale)

@@ -820,19 +820,6 @@ def _signed_int8_codes(q) -> bool:
     return qt.kind == "int" and qt.signed and qt.bits <= 8 and q.packing is None
 
 
-def _explicitly_sharded(*arrays) -> bool:
-    """Whether any array is split across devices by an explicit-axes mesh.
-
-    The kernels' blocked loops carry unsharded accumulators; under explicit
-    sharding the general path lets XLA place the contraction instead.
-    """
-    for a in arrays:
-        spec = getattr(getattr(jax.typeof(a), "sharding", None), "spec", None)
-        if spec is not None and any(p is not None for p in spec):
-            return True
-    return False
-
-
 def _matrix_view(w, contracting):
     """``(codes, scale, layout, k, free_shape)`` of a weight as a 2-D matrix, or None.
 
@@ -889,7 +876,9 @@ def fast_dot_general(lhs, rhs, dims, precision):
         return None
     if not isinstance(rhs, QArray) or rhs.ndim < 2 or lb or rb:
         return None
-    if _explicitly_sharded(*jax.tree.leaves((lhs, rhs))):
+    # The blocked loops carry unsharded accumulators; under explicit sharding the
+    # general path lets XLA place the contraction instead.
+    if numerics.split_explicitly(*jax.tree.leaves((lhs, rhs))):
         return None
     c = len(lc)
     if tuple(lc) != tuple(range(lhs.ndim - c, lhs.ndim)) or rhs.zero_point is not None:
