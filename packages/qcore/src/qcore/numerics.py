@@ -108,7 +108,7 @@ def _select(condition: jax.Array, x: jax.Array | float, y: jax.Array | float) ->
     The quantization arithmetic runs once per quantized op of a model; ``jnp.where``
     traces a nested ``jit`` call each time, which XLA must inline again.
     """
-    if split_explicitly(condition, x, y):
+    if _split_explicitly(condition, x, y):
         # jnp.broadcast_to would make the broadcast operands unsharded, and select
         # refuses operands of different shardings; jnp.where gives them the sharding
         # of the others.
@@ -118,7 +118,7 @@ def _select(condition: jax.Array, x: jax.Array | float, y: jax.Array | float) ->
     return jax.lax.select(jnp.broadcast_to(condition, shape), x, y)
 
 
-def split_explicitly(*arrays: jax.Array | float) -> bool:
+def _split_explicitly(*arrays: jax.Array | float) -> bool:
     """Whether any of ``arrays`` is split across devices by an explicit-axes mesh.
 
     Under ``jax.sharding.AxisType.Explicit`` an array's type carries its sharding,
@@ -127,7 +127,7 @@ def split_explicitly(*arrays: jax.Array | float) -> bool:
 
     Example:
         >>> import jax.numpy as jnp
-        >>> split_explicitly(jnp.ones((2, 3)), 1.0)
+        >>> _split_explicitly(jnp.ones((2, 3)), 1.0)
         False
     """
     for a in arrays:

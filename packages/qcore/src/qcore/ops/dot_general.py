@@ -355,7 +355,7 @@ def scaled_dot_general(a: Operand, b: Operand, dims, precision: Any = None) -> A
 
     out = acc.astype(jnp.float32)
     grouped = math.prod(groups) > 1
-    if grouped and _backend.platform() == "cpu" and not numerics.split_explicitly(out):
+    if grouped and _backend.platform() == "cpu" and not numerics._split_explicitly(out):
         # Each group's sums are scaled, then the groups added. With a scale that is a
         # constant of the jit (a weight closed over by the jitted function) XLA:CPU
         # compiled that multiply-and-sum differently (the constant inside the fusion)

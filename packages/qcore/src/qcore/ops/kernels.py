@@ -878,7 +878,7 @@ def fast_dot_general(lhs, rhs, dims, precision):
         return None
     # The blocked loops carry unsharded accumulators; under explicit sharding the
     # general path lets XLA place the contraction instead.
-    if numerics.split_explicitly(*jax.tree.leaves((lhs, rhs))):
+    if numerics._split_explicitly(*jax.tree.leaves((lhs, rhs))):
         return None
     c = len(lc)
     if tuple(lc) != tuple(range(lhs.ndim - c, lhs.ndim)) or rhs.zero_point is not None:
