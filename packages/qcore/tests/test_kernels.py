@@ -233,6 +233,42 @@ print("ok")
 """
 
 
+SPLIT_N = """
+import jax, numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+import qcore
+from qcore.ops import kernels
+mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("a", "b"))
+rng = np.random.default_rng(0)
+dims = (((1,), (0,)), ((), ()))
+w = rng.standard_normal((512, 256)).astype(np.float32)
+x = rng.standard_normal((1, 512)).astype(np.float32)
+for qtype in ("int8", "int4", "nf4"):
+    how = qcore.HowToQuantize(qtype=qtype, channelwise_axes=(1,), pack=qtype != "int8")
+    q = qcore.quantize(w, how)
+    qs = jax.device_put(q, NamedSharding(mesh, P(None, "b")))
+    with kernels.native_kernels(False):
+        f = jax.jit(lambda x, q: qcore.dot_general(x, q, dims))
+        hlo = f.lower(x, qs).compile().as_text()
+        assert "all-gather" not in hlo, qtype
+        y = f(x, qs)
+        assert y.sharding.spec == P(None, "b"), y.sharding
+        np.testing.assert_array_equal(np.asarray(y), np.asarray(f(x, q)))
+print("ok")
+"""
+
+
+def test_automatic_sharding_keeps_a_weight_split_along_n_at_batch_1():
+    """GSPMD on 8 simulated devices: the XLA path's batch-1 products gather no weight.
+
+    Each device multiplies its own columns (qkernels' calls, opaque to the partitioner,
+    gather the weight instead: ``packages/qkernels/README.md``).
+    """
+    from qcore import testing
+
+    assert testing.run_on_cpu_devices(SPLIT_N, 8).strip() == "ok"
+
+
 def test_explicitly_sharded_operands_take_the_general_path():
     from qcore import testing
 
