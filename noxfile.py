@@ -134,11 +134,19 @@ def kernels(session: nox.Session) -> None:
     """Build qkernels (needs a C++17 compiler) and test it against qcore's XLA path; not default.
 
     Runs qkernels' own tests (bit-for-bit equality with the pure-XLA formulation), the
-    gemma package's Transformer decoding at batch 1 with and without it
-    (tests_thirdparty), then qcore's kernel tests with the native kernels in use.
+    gemma package's Transformer decoding at batch 1 with and without it and exports
+    through jax.export, qlitert and qort with it installed (tests_thirdparty), then
+    qcore's kernel tests with the native kernels in use.
     """
     test_libs = ["pytest", "hypothesis", "scipy"]
-    session.install(*_editable("qcore", "qflax"), "packages/qkernels", *MODEL_LIBS, *test_libs)
+    # qlitert and qort: their exports are checked with qkernels installed
+    # (tests_thirdparty/test_exports.py).
+    session.install(
+        *_editable("qcore", "qflax", "qlitert", "qort"),
+        "packages/qkernels",
+        *MODEL_LIBS,
+        *test_libs,
+    )
     session.chdir("packages/qkernels")
     session.run("pytest", "--doctest-modules", "src", "tests", "tests_thirdparty", *session.posargs)
     session.chdir("../qcore")

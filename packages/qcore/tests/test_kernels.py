@@ -635,3 +635,73 @@ def test_kernel_paths_run_under_shard_map_with_a_split_batch(qtype, layout, tile
                 np.testing.assert_array_equal(
                     np.asarray(jax.jit(got)(x, q)), np.asarray(jax.jit(want)(x, q))
                 )
+
+
+def _traced(fn, *args) -> str:
+    """The jaxpr of a fresh trace of ``fn`` (a new function each time, so no user-level
+    cache applies; what remains are qcore's own jitted entry points)."""
+    return str(jax.make_jaxpr(lambda *a: fn(*a))(*args))
+
+
+@pytest.mark.parametrize("entry", ["dot_general", "einsum"])
+def test_each_entry_point_traces_the_path_chosen_when_it_is_traced(entry):
+    """``native_kernels(False)`` takes effect after a trace with the kernels on, and back.
+
+    qcore.einsum's own jit cached its first trace whatever the switch said: with
+    qkernels installed, einsum kept calling the native kernel inside
+    ``native_kernels(False)`` (so a comparison of the two paths compared the kernel
+    with itself). ``nox -s kernels`` has qkernels installed; without it both traces
+    are pure XLA and this checks only that.
+    """
+    q = qcore.quantize(W, qcore.HowToQuantize(qtype="int8", channelwise_axes=(1,)))
+    x = jax.random.normal(jax.random.key(0), (1, K))
+    fn = {
+        "dot_general": lambda x: qcore.dot_general(x, q, (((1,), (0,)), ((), ()))),
+        "einsum": lambda x: qcore.einsum("mk,kn->mn", x, q),
+    }[entry]
+    installed = kernels.native_kernels_used()
+    assert ("qkernels" in _traced(fn, x)) == installed
+    with kernels.native_kernels(False):
+        assert "qkernels" not in _traced(fn, x)
+    assert ("qkernels" in _traced(fn, x)) == installed
+
+
+@pytest.mark.parametrize("name", ["int8 kn", "int4 kn", "nf4 kn", "int4 kn tiles"])
+@pytest.mark.parametrize("entry", ["dot_general", "einsum"])
+def test_for_export_traces_neither_native_calls_nor_isolating_conditionals(entry, name):
+    """Inside ``for_export`` a batch-1 product is plain jax.numpy, also for a function
+    jitted and called before; after it, the CPU path (isolated, native if installed)
+    is traced again. The values agree with the CPU path's to float32 rounding.
+
+    ``qlitert.export`` of such a product failed validation on the conditional (a
+    LiteRT ``IF`` op), and with qkernels installed ``jax.export`` refused its calls.
+    """
+    how = {
+        "int8 kn": {"qtype": "int8", "channelwise_axes": (1,)},
+        "int4 kn": {"qtype": "int4", "channelwise_axes": (1,), "pack": True, "pack_axis": 0},
+        "nf4 kn": {"qtype": "nf4", "channelwise_axes": (1,), "pack": True, "pack_axis": 0},
+        "int4 kn tiles": {
+            "qtype": "int4",
+            "channelwise_axes": (1,),
+            "tiled_axes": {0: 32},
+            "pack": True,
+            "pack_axis": 0,
+        },
+    }[name]
+    q = qcore.quantize(W, qcore.HowToQuantize(**how))
+    x = jax.random.normal(jax.random.key(1), (1, K))
+    fn = {
+        "dot_general": lambda x: qcore.dot_general(x, q, (((1,), (0,)), ((), ()))),
+        "einsum": lambda x: qcore.einsum("mk,kn->mn", x, q),
+    }[entry]
+    jitted = jax.jit(fn)
+    cpu = np.asarray(jitted(x))  # traced, compiled and cached before the block
+    assert "cond" in str(jax.make_jaxpr(jitted)(x))
+    with kernels.for_export():
+        text = str(jax.make_jaxpr(jitted)(x))
+        assert "cond" not in text and "qkernels" not in text
+        exported = np.asarray(jitted(x))
+    after = str(jax.make_jaxpr(jitted)(x))
+    assert "cond" in after and ("qkernels" in after) == kernels.native_kernels_used()
+    np.testing.assert_allclose(exported, cpu, rtol=1e-5, atol=1e-5 * float(np.abs(cpu).max()))
+    np.testing.assert_array_equal(np.asarray(jitted(x)), cpu)

@@ -121,3 +121,27 @@ def test_qdq_arguments_are_checked():
         qdq.fake_quant(jnp.ones((2, 3)), [0.1, 0.2])
     with pytest.raises(ValueError, match="finite and > 0"):
         qdq.fake_quant(jnp.ones(3), 0.0)
+
+
+def test_a_function_with_qcore_products_at_batch_1_exports():
+    """qcore's weight-only products at batch 1 export, also after the function ran jitted.
+
+    On the CPU qcore runs each such product as the branch of a conditional (so that
+    XLA:CPU does not fuse it with its neighbours); the converter made that an ``IF``
+    op, which validation refused, and a function traced before export kept it (and,
+    with qkernels installed, its native calls, which ``jax.export`` refused).
+    """
+    import qcore  # noqa: PLC0415 - a dependency of qlitert, imported where it is used
+
+    w = qcore.quantize(jnp.asarray(W1), qcore.HowToQuantize(qtype="int8", channelwise_axes=(1,)))
+
+    def f(x):
+        return qcore.dot_general(x, w, (((1,), (0,)), ((), ())))
+
+    x = X[:1]
+    jitted = jax.jit(f)
+    want = np.asarray(jitted(x))  # traced and cached before the export
+    tfl = qlitert.export(jitted, x, compute_types=["FLOAT32", "INT32", "INT8"])
+    assert "IF" not in qlitert.inspect(tfl).op_names()
+    got = qlitert.LiteRTModel(tfl)(x)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * float(np.abs(want).max()))

@@ -126,8 +126,9 @@ def export(
     _check_types(compute_types)
     input_names = _names("input_names", input_names, len(specs), "x")
     # The StableHLO must be portable: traced without qcore's optional native kernels,
-    # whose custom calls neither jax.export nor the converter can take.
-    with qcore_kernels.native_kernels(False):
+    # whose custom calls neither jax.export nor the converter can take, and without the
+    # conditional that isolates each CPU product for XLA (the converter makes it an IF).
+    with qcore_kernels.for_export():
         exported = jax.export.export(jax.jit(fn), platforms=["cpu"])(*specs)
     # Known once the export has traced fn.
     allowed = compute_types or getattr(fn, "compute_types", None) or INTEGER_TYPES

@@ -38,6 +38,7 @@ from flax import nnx
 
 import qflax
 from qcore.files import write_atomic
+from qcore.ops.kernels import for_export
 from qort import _converter
 from qort._capture import CaptureProvider
 from qort._errors import ExportError, ExportWarning, ValidationError, kind
@@ -306,7 +307,9 @@ def _export(
                 f"example input {i} ({n!r}) has dtype bfloat16; {_NO_BFLOAT16} (cast the "
                 "input to float32)"
             )
-    conv = _converter.convert(fn, example_inputs, sites, names, output_names)
+    # Traced for ONNX: no qkernels custom calls, no conditionals isolating products.
+    with for_export():
+        conv = _converter.convert(fn, example_inputs, sites, names, output_names)
     report = None
     if validate_:
         expected = [jax.numpy.asarray(y) for y in jax.tree.leaves(jax.jit(fn)(*example_inputs))]

@@ -102,15 +102,16 @@ def dot_general(
     dims = check_dims(tuple(lhs.shape), tuple(rhs.shape), dimension_numbers)
     if not isinstance(lhs, QArray) and not isinstance(rhs, QArray):
         return lax.dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type)
-    native = kernels.native_kernels_used()
-    return _dot_general(lhs, rhs, dims, precision, preferred_dtype(preferred_element_type), native)
+    mode = kernels._trace_mode()
+    return _dot_general(lhs, rhs, dims, precision, preferred_dtype(preferred_element_type), mode)
 
 
 # One compiled computation per call, so eager results are bit-identical to jitted ones.
-# `native` (whether qkernels is used) is only a cache key: the kernels read it when traced.
+# `mode` (qkernels used, products isolated) is only a cache key: the kernels read it
+# when traced.
 @partial(jax.jit, static_argnums=(2, 3, 4, 5))
-def _dot_general(lhs, rhs, dims, precision, preferred, native) -> Array:
-    del native
+def _dot_general(lhs, rhs, dims, precision, preferred, mode) -> Array:
+    del mode
     a, b = operand(lhs), operand(rhs)
     out_dtype = preferred or promote(a.dtype, b.dtype)
     if _dequantize_first(lhs, rhs, dims):

@@ -18,6 +18,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from qcore.ops import kernels
 from qcore.ops.dot_general import dot_general
 from qcore.ops.operand import as_input, operand, preferred_dtype, promote
 from qcore.qarray import QArray
@@ -129,12 +130,14 @@ def einsum(
             subscripts, lhs, rhs, precision=precision, preferred_element_type=preferred_element_type
         )
     preferred = preferred_dtype(preferred_element_type)
-    return _einsum(subscripts, lhs, rhs, precision, preferred)
+    return _einsum(subscripts, lhs, rhs, precision, preferred, kernels._trace_mode())
 
 
 # One compiled computation per call, so eager results are bit-identical to jitted ones.
-@partial(jax.jit, static_argnums=(0, 3, 4))
-def _einsum(subscripts, lhs, rhs, precision, preferred_element_type) -> Array:
+# `mode` is only a cache key, as for dot_general: the products read it when traced.
+@partial(jax.jit, static_argnums=(0, 3, 4, 5))
+def _einsum(subscripts, lhs, rhs, precision, preferred_element_type, mode) -> Array:
+    del mode
     (la, lb), out = _parse(subscripts, (lhs.ndim, rhs.ndim))
     shape_a, shape_b = tuple(lhs.shape), tuple(rhs.shape)
     sizes: dict[str, int] = {}

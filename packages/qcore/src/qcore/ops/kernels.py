@@ -131,6 +131,8 @@ def _pairwise_sum(rows):
 
 
 _native_enabled = os.environ.get("QCORE_NATIVE_KERNELS", "1") != "0"
+# False while tracing for another runtime (for_export): products are not isolated.
+_isolating = True
 
 
 def native_kernels_used() -> bool:
@@ -152,6 +154,16 @@ def native_kernels_used() -> bool:
 def _native_kernels():
     """The ``qkernels`` module if it is installed and enabled, else None (pure XLA)."""
     return _qkernels() if _native_enabled else None
+
+
+def _trace_mode() -> tuple[bool, bool]:
+    """What a product traced now is made of beyond its operands, as a hashable value.
+
+    Whether it calls qkernels and whether it is isolated (:func:`_opaque`). qcore's
+    jitted entry points take it as a static argument, so that a trace made in one
+    mode is never reused in another (``jax.jit`` caches traces by argument only).
+    """
+    return native_kernels_used(), _isolating
 
 
 @functools.cache
@@ -237,8 +249,8 @@ def _opaque(fn, shape, x, w, *rest):
     stack at 8 and 64 rows ran 0.95–1.01× the times without the barriers, within the
     noise, and gave the same values.
     """
-    if any(a.size == 0 for a in jax.tree.leaves((x, w, rest))):
-        return fn(x, w, *rest)  # nothing to isolate, and no element for the other branch
+    if not _isolating or any(a.size == 0 for a in jax.tree.leaves((x, w, rest))):
+        return fn(x, w, *rest)  # for export, or nothing to isolate and no element for `never`
     always = lax.optimization_barrier(jnp.int32(1)) != 0
 
     def never(*operands):
@@ -283,6 +295,49 @@ def native_kernels(enabled: bool):
         yield
     finally:
         _native_enabled = before
+
+
+@contextlib.contextmanager
+def for_export():
+    """Trace for a runtime other than XLA:CPU in this block (LiteRT, ONNX, StableHLO files).
+
+    Two things qcore's CPU products carry only make sense to XLA:CPU, and converters
+    refuse them: calls of the optional ``qkernels`` package's native kernels (custom
+    calls ``jax.export`` will not serialize), and the conditional that keeps XLA from
+    fusing a product with its neighbours (a LiteRT ``IF`` op). Inside the block
+    neither is traced: the products are plain ``jax.numpy`` expressions computing the
+    same values (to float32 rounding: XLA may then fuse them differently).
+    ``qlitert.export`` and ``qort``'s exports trace their functions in this block.
+
+    JAX reuses the trace of a function jitted before, whatever the block, so its
+    trace caches are cleared on entry; and on exit, so that nothing traced for export
+    runs afterwards. Functions jitted outside therefore compile again on their next
+    call.
+
+    Yields:
+        None.
+
+    Example:
+        >>> import jax, jax.numpy as jnp, qcore
+        >>> from qcore.ops import kernels
+        >>> how = qcore.HowToQuantize(qtype="int8", channelwise_axes=(1,))
+        >>> w = qcore.quantize(jnp.ones((4, 2)), how)
+        >>> f = jax.jit(lambda x: qcore.dot(x, w))
+        >>> "cond" in str(jax.make_jaxpr(f)(jnp.ones((1, 4))))  # isolated for XLA:CPU
+        True
+        >>> with kernels.for_export():
+        ...     "cond" in str(jax.make_jaxpr(f)(jnp.ones((1, 4))))
+        False
+    """
+    global _native_enabled, _isolating
+    before = _native_enabled, _isolating
+    jax.clear_caches()
+    _native_enabled, _isolating = False, False
+    try:
+        yield
+    finally:
+        _native_enabled, _isolating = before
+        jax.clear_caches()
 
 
 def _pick_block(total, target):
