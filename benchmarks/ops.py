@@ -370,10 +370,10 @@ def qkernels_version() -> str | None:
 
 
 def xla_path(fn: Callable) -> Callable:
-    """``fn`` (a jitted function not yet traced) traced with qkernels bypassed.
+    """``fn`` (a jitted function) called, and so traced, with qkernels bypassed.
 
-    The choice is made at trace time, so the first call, made inside
-    ``native_kernels(False)``, fixes the pure-XLA path for every later call.
+    JAX keys its trace caches on ``native_kernels``, so every call inside the block
+    reuses the pure-XLA trace and the calls outside it keep their own.
     """
     from qcore.ops import kernels  # noqa: PLC0415
 

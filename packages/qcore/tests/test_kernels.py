@@ -637,21 +637,17 @@ def test_kernel_paths_run_under_shard_map_with_a_split_batch(qtype, layout, tile
                 )
 
 
-def _traced(fn, *args) -> str:
-    """The jaxpr of a fresh trace of ``fn`` (a new function each time, so no user-level
-    cache applies; what remains are qcore's own jitted entry points)."""
-    return str(jax.make_jaxpr(lambda *a: fn(*a))(*args))
-
-
+@pytest.mark.parametrize("fresh", [True, False], ids=["fresh function", "jitted before"])
 @pytest.mark.parametrize("entry", ["dot_general", "einsum"])
-def test_each_entry_point_traces_the_path_chosen_when_it_is_traced(entry):
+def test_each_entry_point_traces_the_path_chosen_when_it_is_traced(entry, fresh):
     """``native_kernels(False)`` takes effect after a trace with the kernels on, and back.
 
     qcore.einsum's own jit cached its first trace whatever the switch said: with
     qkernels installed, einsum kept calling the native kernel inside
     ``native_kernels(False)`` (so a comparison of the two paths compared the kernel
-    with itself). ``nox -s kernels`` has qkernels installed; without it both traces
-    are pure XLA and this checks only that.
+    with itself); and a function the user had jitted and called kept its trace.
+    ``nox -s kernels`` has qkernels installed; without it both traces are pure XLA
+    and this checks only that.
     """
     q = qcore.quantize(W, qcore.HowToQuantize(qtype="int8", channelwise_axes=(1,)))
     x = jax.random.normal(jax.random.key(0), (1, K))
@@ -659,11 +655,17 @@ def test_each_entry_point_traces_the_path_chosen_when_it_is_traced(entry):
         "dot_general": lambda x: qcore.dot_general(x, q, (((1,), (0,)), ((), ()))),
         "einsum": lambda x: qcore.einsum("mk,kn->mn", x, q),
     }[entry]
+    if fresh:
+        traced = lambda: str(jax.make_jaxpr(lambda x: fn(x))(x))  # noqa: E731
+    else:
+        jitted = jax.jit(fn)
+        jitted(x)
+        traced = lambda: str(jax.make_jaxpr(jitted)(x))  # noqa: E731
     installed = kernels.native_kernels_used()
-    assert ("qkernels" in _traced(fn, x)) == installed
+    assert ("qkernels" in traced()) == installed
     with kernels.native_kernels(False):
-        assert "qkernels" not in _traced(fn, x)
-    assert ("qkernels" in _traced(fn, x)) == installed
+        assert "qkernels" not in traced()
+    assert ("qkernels" in traced()) == installed
 
 
 @pytest.mark.parametrize("name", ["int8 kn", "int4 kn", "nf4 kn", "int4 kn tiles"])

@@ -102,16 +102,13 @@ def dot_general(
     dims = check_dims(tuple(lhs.shape), tuple(rhs.shape), dimension_numbers)
     if not isinstance(lhs, QArray) and not isinstance(rhs, QArray):
         return lax.dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type)
-    mode = kernels._trace_mode()
-    return _dot_general(lhs, rhs, dims, precision, preferred_dtype(preferred_element_type), mode)
+    return _dot_general(lhs, rhs, dims, precision, preferred_dtype(preferred_element_type))
 
 
 # One compiled computation per call, so eager results are bit-identical to jitted ones.
-# `mode` (qkernels used, products isolated) is only a cache key: the kernels read it
-# when traced.
-@partial(jax.jit, static_argnums=(2, 3, 4, 5))
-def _dot_general(lhs, rhs, dims, precision, preferred, mode) -> Array:
-    del mode
+# (Whether its products call qkernels is part of jax.jit's cache key: kernels._MODE.)
+@partial(jax.jit, static_argnums=(2, 3, 4))
+def _dot_general(lhs, rhs, dims, precision, preferred) -> Array:
     a, b = operand(lhs), operand(rhs)
     out_dtype = preferred or promote(a.dtype, b.dtype)
     if _dequantize_first(lhs, rhs, dims):

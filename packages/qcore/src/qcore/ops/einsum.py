@@ -18,7 +18,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from qcore.ops import kernels
 from qcore.ops.dot_general import dot_general
 from qcore.ops.operand import as_input, operand, preferred_dtype, promote
 from qcore.qarray import QArray
@@ -130,14 +129,12 @@ def einsum(
             subscripts, lhs, rhs, precision=precision, preferred_element_type=preferred_element_type
         )
     preferred = preferred_dtype(preferred_element_type)
-    return _einsum(subscripts, lhs, rhs, precision, preferred, kernels._trace_mode())
+    return _einsum(subscripts, lhs, rhs, precision, preferred)
 
 
 # One compiled computation per call, so eager results are bit-identical to jitted ones.
-# `mode` is only a cache key, as for dot_general: the products read it when traced.
-@partial(jax.jit, static_argnums=(0, 3, 4, 5))
-def _einsum(subscripts, lhs, rhs, precision, preferred_element_type, mode) -> Array:
-    del mode
+@partial(jax.jit, static_argnums=(0, 3, 4))
+def _einsum(subscripts, lhs, rhs, precision, preferred_element_type) -> Array:
     (la, lb), out = _parse(subscripts, (lhs.ndim, rhs.ndim))
     shape_a, shape_b = tuple(lhs.shape), tuple(rhs.shape)
     sizes: dict[str, int] = {}

@@ -133,6 +133,10 @@ def _pairwise_sum(rows):
 _native_enabled = os.environ.get("QCORE_NATIVE_KERNELS", "1") != "0"
 # False while tracing for another runtime (for_export): products are not isolated.
 _isolating = True
+# The two flags above as a JAX user context, set by native_kernels and for_export:
+# JAX includes its value in every jit's cache key, so a function traced in one mode
+# (the user's jitted model, qcore's own jitted entry points) is traced again in another.
+_MODE = jax.make_user_context(default_value=None)
 
 
 def native_kernels_used() -> bool:
@@ -154,16 +158,6 @@ def native_kernels_used() -> bool:
 def _native_kernels():
     """The ``qkernels`` module if it is installed and enabled, else None (pure XLA)."""
     return _qkernels() if _native_enabled else None
-
-
-def _trace_mode() -> tuple[bool, bool]:
-    """What a product traced now is made of beyond its operands, as a hashable value.
-
-    Whether it calls qkernels and whether it is isolated (:func:`_opaque`). qcore's
-    jitted entry points take it as a static argument, so that a trace made in one
-    mode is never reused in another (``jax.jit`` caches traces by argument only).
-    """
-    return native_kernels_used(), _isolating
 
 
 @functools.cache
@@ -270,9 +264,10 @@ def native_kernels(enabled: bool):
     qcore calls qkernels' native kernels where they apply whenever the package is
     installed; ``QCORE_NATIVE_KERNELS=0`` in the environment (read when qcore is
     imported) turns them off for the process. Both give the same numbers bit for bit,
-    and the same derivatives, so this only changes speed. The
-    choice is made when a function is traced: a function jitted and traced before the
-    block keeps the path it was traced with.
+    and the same derivatives, so this only changes speed. The choice is made when a
+    function is traced, and JAX keys its trace caches on it: a function jitted and
+    called before the block is traced (and compiled) again inside it, once; outside,
+    its earlier trace serves again.
 
     Args:
         enabled: False to trace with the pure-XLA formulation even where qkernels is
@@ -289,12 +284,21 @@ def native_kernels(enabled: bool):
         ...     kernels.int8_weight_only(x, w, jnp.ones((1, 2)), layout="kn")
         Array([[12., 12.]], dtype=float32)
     """
-    global _native_enabled
-    before, _native_enabled = _native_enabled, enabled
-    try:
+    with _mode(enabled, _isolating):
         yield
+
+
+@contextlib.contextmanager
+def _mode(native: bool, isolating: bool):
+    """Sets the flags products are traced by, and the JAX user context keyed on them."""
+    global _native_enabled, _isolating
+    before = _native_enabled, _isolating
+    _native_enabled, _isolating = native, isolating
+    try:
+        with _MODE((native, isolating)):
+            yield
     finally:
-        _native_enabled = before
+        _native_enabled, _isolating = before
 
 
 @contextlib.contextmanager
@@ -309,10 +313,9 @@ def for_export():
     same values (to float32 rounding: XLA may then fuse them differently).
     ``qlitert.export`` and ``qort``'s exports trace their functions in this block.
 
-    JAX reuses the trace of a function jitted before, whatever the block, so its
-    trace caches are cleared on entry; and on exit, so that nothing traced for export
-    runs afterwards. Functions jitted outside therefore compile again on their next
-    call.
+    As with :func:`native_kernels`, JAX keys its trace caches on the block: a
+    function jitted and called before is traced again inside it, and what is traced
+    inside never runs outside.
 
     Yields:
         None.
@@ -329,15 +332,8 @@ def for_export():
         ...     "cond" in str(jax.make_jaxpr(f)(jnp.ones((1, 4))))
         False
     """
-    global _native_enabled, _isolating
-    before = _native_enabled, _isolating
-    jax.clear_caches()
-    _native_enabled, _isolating = False, False
-    try:
+    with _mode(False, False):
         yield
-    finally:
-        _native_enabled, _isolating = before
-        jax.clear_caches()
 
 
 def _pick_block(total, target):
