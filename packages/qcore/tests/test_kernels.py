@@ -707,3 +707,32 @@ def test_for_export_traces_neither_native_calls_nor_isolating_conditionals(entry
     assert "cond" in after and ("qkernels" in after) == kernels.native_kernels_used()
     np.testing.assert_allclose(exported, cpu, rtol=1e-5, atol=1e-5 * float(np.abs(cpu).max()))
     np.testing.assert_array_equal(np.asarray(jitted(x)), cpu)
+
+
+def test_the_kernel_switches_hold_in_the_thread_that_set_them():
+    """A thread inside ``for_export`` leaves other threads' traces on the CPU path.
+
+    The switches were process-wide flags while JAX's cache key for them is per
+    thread: another thread traced without isolation under the default key, and that
+    trace then served every later call outside the block.
+    """
+    import threading  # noqa: PLC0415
+
+    q = qcore.quantize(W, qcore.HowToQuantize(qtype="int8", channelwise_axes=(1,)))
+    x = jax.random.normal(jax.random.key(2), (1, K))
+    inside, done = threading.Event(), threading.Event()
+
+    def exporter():
+        with kernels.for_export():
+            inside.set()
+            done.wait(timeout=60)
+
+    thread = threading.Thread(target=exporter)
+    thread.start()
+    try:
+        assert inside.wait(timeout=60)
+        text = str(jax.make_jaxpr(lambda x: qcore.dot_general(x, q, (((1,), (0,)), ((), ()))))(x))
+    finally:
+        done.set()
+        thread.join()
+    assert "cond" in text

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import qcore
 import qlitert
 from qlitert import converter, qdq
 
@@ -131,8 +132,6 @@ def test_a_function_with_qcore_products_at_batch_1_exports():
     op, which validation refused, and a function traced before export kept it (and,
     with qkernels installed, its native calls, which ``jax.export`` refused).
     """
-    import qcore  # noqa: PLC0415 - a dependency of qlitert, imported where it is used
-
     w = qcore.quantize(jnp.asarray(W1), qcore.HowToQuantize(qtype="int8", channelwise_axes=(1,)))
 
     def f(x):

@@ -130,13 +130,18 @@ def _pairwise_sum(rows):
     return rows
 
 
-_native_enabled = os.environ.get("QCORE_NATIVE_KERNELS", "1") != "0"
-# False while tracing for another runtime (for_export): products are not isolated.
-_isolating = True
-# The two flags above as a JAX user context, set by native_kernels and for_export:
-# JAX includes its value in every jit's cache key, so a function traced in one mode
-# (the user's jitted model, qcore's own jitted entry points) is traced again in another.
+_NATIVE_BY_DEFAULT = os.environ.get("QCORE_NATIVE_KERNELS", "1") != "0"
+# How products are traced, (qkernels enabled, products isolated), as set by
+# native_kernels and for_export; None outside them: (_NATIVE_BY_DEFAULT, True). It is a
+# JAX user context, so it holds per thread and JAX includes it in every jit's cache key:
+# a function traced in one mode (the user's jitted model, qcore's own jitted entry
+# points) is traced again in another, and a trace never crosses modes.
 _MODE = jax.make_user_context(default_value=None)
+
+
+def _flags() -> tuple[bool, bool]:
+    """(qkernels enabled, products isolated) for a product traced now, in this thread."""
+    return _MODE.value or (_NATIVE_BY_DEFAULT, True)
 
 
 def native_kernels_used() -> bool:
@@ -157,7 +162,7 @@ def native_kernels_used() -> bool:
 
 def _native_kernels():
     """The ``qkernels`` module if it is installed and enabled, else None (pure XLA)."""
-    return _qkernels() if _native_enabled else None
+    return _qkernels() if _flags()[0] else None
 
 
 @functools.cache
@@ -243,7 +248,7 @@ def _opaque(fn, shape, x, w, *rest):
     stack at 8 and 64 rows ran 0.95–1.01× the times without the barriers, within the
     noise, and gave the same values.
     """
-    if not _isolating or any(a.size == 0 for a in jax.tree.leaves((x, w, rest))):
+    if not _flags()[1] or any(a.size == 0 for a in jax.tree.leaves((x, w, rest))):
         return fn(x, w, *rest)  # for export, or nothing to isolate and no element for `never`
     always = lax.optimization_barrier(jnp.int32(1)) != 0
 
@@ -267,7 +272,7 @@ def native_kernels(enabled: bool):
     and the same derivatives, so this only changes speed. The choice is made when a
     function is traced, and JAX keys its trace caches on it: a function jitted and
     called before the block is traced (and compiled) again inside it, once; outside,
-    its earlier trace serves again.
+    its earlier trace serves again. The block holds in the thread that enters it.
 
     Args:
         enabled: False to trace with the pure-XLA formulation even where qkernels is
@@ -284,21 +289,8 @@ def native_kernels(enabled: bool):
         ...     kernels.int8_weight_only(x, w, jnp.ones((1, 2)), layout="kn")
         Array([[12., 12.]], dtype=float32)
     """
-    with _mode(enabled, _isolating):
+    with _MODE((enabled, _flags()[1])):
         yield
-
-
-@contextlib.contextmanager
-def _mode(native: bool, isolating: bool):
-    """Sets the flags products are traced by, and the JAX user context keyed on them."""
-    global _native_enabled, _isolating
-    before = _native_enabled, _isolating
-    _native_enabled, _isolating = native, isolating
-    try:
-        with _MODE((native, isolating)):
-            yield
-    finally:
-        _native_enabled, _isolating = before
 
 
 @contextlib.contextmanager
@@ -332,7 +324,7 @@ def for_export():
         ...     "cond" in str(jax.make_jaxpr(f)(jnp.ones((1, 4))))
         False
     """
-    with _mode(False, False):
+    with _MODE((False, False)):
         yield
 
 
