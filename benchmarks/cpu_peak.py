@@ -12,12 +12,22 @@ register-only loops (``cpu_peak.c``, compiled here with the system's C compiler)
   CPU without VNNI;
 * ``int16``: ``vpmaddwd`` + ``vpaddd``, 16 products per two instructions, with the
   codes already widened to int16 (the alternative ``docs/design.md`` rejected).
+* ``w8b1``: ``vpmovsxbd`` + ``vcvtdq2ps`` + ``vfmadd231ps``, 8 int8 codes widened,
+  converted to float32 and multiply-added: the arithmetic of qkernels' batch-1
+  weight-only int8 product (``_native.cc``), one multiply-accumulate per code;
+* ``w4b1``: 7 ``vpslld`` + 8 ``vpsrad`` + 8 ``vcvtdq2ps`` + 8 ``vfmadd231ps`` per 32
+  bytes of packed int4 codes (64 codes): the arithmetic of its batch-1 int4 product.
+
+The two weight-only sequences load their codes from a 4 KiB buffer that stays in L1
+(as the kernels load codes), so they give the rate of those kernels' arithmetic with
+the weight already in cache; a chain of layers whose weights come from memory is
+bounded by both that rate and the bandwidth (``decode.py``).
 
 Each sequence runs on one core, and on every core at once (one process per core,
 started together; the row gives their sum). Rounds run every sequence in turn;
 medians and p10–p90 over ``--reps`` (>= 21) rounds of one call each (about 0.1 s).
-No memory is read in the loops, so no bandwidth limit applies; the ratio of the int8
-row to the f32 row bounds what an exact int8 GEMM can gain over a float32 GEMM that
+The loops read no memory beyond L1, so no bandwidth limit applies; the ratio of the
+int8 row to the f32 row bounds what an exact int8 GEMM can gain over a float32 GEMM that
 runs as close to its own ceiling.
 
 Run: ``nox -s bench`` (or ``python benchmarks/cpu_peak.py --help``); needs a C
@@ -43,6 +53,8 @@ SEQUENCES = {
     "f32": "vfmadd231ps (8 float32 MACs)",
     "int8": "vpsignb + vpmaddubsw + vpmaddwd + vpaddd (32 exact int8 MACs)",
     "int16": "vpmaddwd + vpaddd (16 int16 MACs)",
+    "w8b1": "vpmovsxbd + vcvtdq2ps + vfmadd231ps (8 int8-code MACs)",
+    "w4b1": "7 vpslld + 8 vpsrad + 8 vcvtdq2ps + 8 vfmadd231ps (64 int4-code MACs)",
 }
 ITERATIONS = 30_000_000  # loop trips per call: about 0.1 s for each sequence here
 
