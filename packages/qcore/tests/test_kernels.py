@@ -145,6 +145,24 @@ def test_w8a8_batch_one_kn_is_exact_on_both_sides_of_the_int8_gemm_limit(n):
     np.testing.assert_allclose(np.asarray(y, np.float64), ref, rtol=3e-7)
 
 
+@pytest.mark.parametrize("n", [1024, 2048])
+def test_w8a8_batch_one_kn_sums_exactly_past_float32s_integers(n):
+    # Sums above 2**24, where adding float32 block sums would round: the product is
+    # float32(exact integer sum) * x_scale * w_scale on both sides of the int8 GEMM limit.
+    k = 4096
+    rng = np.random.default_rng(3)
+    xc = jnp.asarray(rng.integers(120, 128, (1, k)), jnp.int8)
+    wc = jnp.asarray(rng.integers(100, 128, (k, n)) * rng.choice([-1, 1], n), jnp.int8)
+    xs = jnp.full((1, 1), 0.37, jnp.float32)
+    ws = jnp.asarray(rng.uniform(0.5, 2.0, (1, n)), jnp.float32)
+    exact = np.asarray(xc, np.int64) @ np.asarray(wc, np.int64)
+    assert np.abs(exact).min() > 2**25  # float32's spacing there is 4
+    want = exact.astype(np.float32) * np.asarray(xs) * np.asarray(ws)
+    with kernels.native_kernels(False):
+        got = jax.jit(lambda *a: kernels.w8a8(*a, layout="kn"))(xc, xs, wc, ws)
+    np.testing.assert_array_equal(np.asarray(got), want)
+
+
 def test_layouts_the_kernels_do_not_take_use_the_general_path():
     x = jax.random.normal(jax.random.key(1), (4, K))
     dims = (((1,), (0,)), ((), ()))

@@ -44,6 +44,13 @@ SHAPES = [
     (17, 1100, 40),  # three blocks of K (512, 512, 76)
     (64, 512, 520),  # more column panels than one item holds
     (4096, 384, 384),  # MiniLM's attention projections at 32 x 128 tokens
+    # One row with a (K, N) weight takes its own loop: 8 rows by 32 columns, with the
+    # rows (K % 8) and columns (N % 32) left over summed apart.
+    (1, 5, 7),  # no full step at all
+    (1, 8, 32),  # exactly one
+    (1, 61, 95),
+    (1, 1100, 40),
+    (1, 2048, 1024),  # split between threads
 ]
 
 
@@ -61,7 +68,7 @@ def test_equals_the_int64_product_and_xla(m, k, n, layout):
 
 
 @pytest.mark.parametrize("layout", ["kn", "nk"])
-@pytest.mark.parametrize(("m", "k", "n"), [(3, 5, 7), (17, 1100, 40), (256, 384, 96)])
+@pytest.mark.parametrize(("m", "k", "n"), [(1, 61, 95), (3, 5, 7), (17, 1100, 40), (256, 384, 96)])
 def test_w8a8_equals_qcores_xla_expression(m, k, n, layout):
     """The row-scaled product: bit for bit qcore's ``float32(acc) * x_scale``."""
     x = _codes((m, k))
@@ -134,20 +141,40 @@ def _lowered(f, native, *args):
         return jax.jit(lambda *a: f(*a)).lower(*args).compile()
 
 
-@pytest.mark.parametrize("m", [1, 15, 16, 100])
-def test_qcore_w8a8_bit_for_bit_and_routed_from_16_rows(m):
+def test_one_row_sums_codes_of_minus_128_exactly():
+    """x = w = -128 everywhere: x's codes are used as -127 and corrected, w's taken as |w|."""
+    for k, n in ((64, 64), (67, 70)):
+        x, w = jnp.full((1, k), -128, jnp.int8), jnp.full((k, n), -128, jnp.int8)
+        got = np.asarray(jax.jit(qkernels.int8_gemm)(x, w))
+        np.testing.assert_array_equal(got, np.full((1, n), k * 128 * 128))
+
+
+@pytest.mark.parametrize("m", [1, 2, 15, 16, 100])
+def test_qcore_w8a8_bit_for_bit_and_routed_from_16_rows_or_one(m):
     w = jnp.asarray(RNG.standard_normal((192, 80)), jnp.float32)
     q_w = qcore.quantize(w, qcore.HowToQuantize(qtype="int8", channelwise_axes=(1,)))
     assert int(jnp.min(q_w.qvalue)) == -128  # qcore's symmetric int8 reaches -128
     x = jnp.asarray(RNG.standard_normal((m, 192)), jnp.float32)
     native, xla = _lowered(_w8a8, True, x, q_w), _lowered(_w8a8, False, x, q_w)
-    assert ("qkernels_w8a8" in native.as_text()) == (ROUTED and m >= 16)
+    assert ("qkernels_w8a8" in native.as_text()) == (ROUTED and (m >= 16 or m == 1))
     assert 'custom_call_target="qkernels_' not in xla.as_text()
     np.testing.assert_array_equal(np.asarray(native(x, q_w)), np.asarray(xla(x, q_w)))
 
 
+def test_qcore_w8a8_one_row_past_the_int8_gemm_limit_bit_for_bit():
+    """Above 2**22 weight elements qcore's XLA path sums blocks of the weight instead."""
+    k, n = 4096, 1100
+    assert k * n > kernels._W8A8_KN_INT8_MAX_WEIGHT
+    w = jnp.asarray(RNG.standard_normal((k, n)), jnp.float32)
+    q_w = qcore.quantize(w, qcore.HowToQuantize(qtype="int8", channelwise_axes=(1,)))
+    x = jnp.asarray(RNG.standard_normal((1, k)), jnp.float32)
+    native, xla = _lowered(_w8a8, True, x, q_w), _lowered(_w8a8, False, x, q_w)
+    assert ("qkernels_w8a8" in native.as_text()) == ROUTED
+    np.testing.assert_array_equal(np.asarray(native(x, q_w)), np.asarray(xla(x, q_w)))
+
+
 @pytest.mark.parametrize("weights", ["arguments", "closed over"])
-@pytest.mark.parametrize("m", [16, 40])
+@pytest.mark.parametrize("m", [1, 16, 40])
 @pytest.mark.parametrize("residual", ["y * c + h * d", "(y + b) * c + h * d"])
 def test_scaled_residuals_bit_for_bit(m, residual, weights):
     """Three w8a8 layers, each followed by a scaled residual, in one jit.
@@ -194,9 +221,10 @@ class _Encoder(nn.Module):
         return x
 
 
-def test_flax_model_w8a8_bit_for_bit():
-    """qflax's w8a8 on a Flax model at 2 x 24 tokens: same outputs, and qkernels called."""
-    x = jnp.asarray(RNG.standard_normal((2, 24, 64)), jnp.float32)
+@pytest.mark.parametrize("tokens", [(2, 24), (1, 1)])
+def test_flax_model_w8a8_bit_for_bit(tokens):
+    """qflax's w8a8 on a Flax model at 2 x 24 tokens and at one: same outputs, qkernels called."""
+    x = jnp.asarray(RNG.standard_normal((*tokens, 64)), jnp.float32)
     params = _Encoder().init(jax.random.key(0), x)["params"]
     rule = qflax.QuantizationRule(weight_qtype="int8", act_qtype="int8")
     qmodel = qflax.quantize_model(_Encoder(), qflax.PtqProvider([rule]))
@@ -229,13 +257,14 @@ def test_jax_export_needs_the_kernels_off():
     np.testing.assert_array_equal(np.asarray(exported.call(x)), np.asarray(f(x)))
 
 
-def test_gradients_are_those_of_the_xla_path():
+@pytest.mark.parametrize("m", [1, 32])
+def test_gradients_are_those_of_the_xla_path(m):
     """jax.grad and jvp through a routed w8a8 product equal the XLA path's bit for bit."""
     q_w = qcore.quantize(
         jnp.asarray(RNG.standard_normal((64, 32)), jnp.float32),
         qcore.HowToQuantize(qtype="int8", channelwise_axes=(1,)),
     )
-    x = jnp.asarray(RNG.standard_normal((32, 64)), jnp.float32)
+    x = jnp.asarray(RNG.standard_normal((m, 64)), jnp.float32)
 
     t = jnp.asarray(RNG.standard_normal(x.shape), jnp.float32)
 

@@ -3,12 +3,12 @@
 An optional companion of ``qcore``: when this package is installed, qcore's
 weight-only products (int8, int4 and nf4 with one scale per column; int4 and nf4
 also with tile scales) with a ``(K, N)`` weight at batch 1 (Flax's ``nn.Dense``
-layout, the shape of decoding), and its w8a8 products from 16 rows on CPUs without
-VNNI, run in C++ instead of XLA:CPU's code, with the same result bit for bit
-(qcore's tests and ``nox -s kernels`` check it). Nothing needs to be imported: qcore
-finds this package by itself. Without it, or where it cannot run (another backend,
-a CPU without AVX2 and FMA runs its portable code), qcore uses its pure-XLA
-formulation.
+layout, the shape of decoding), and its w8a8 products from 16 rows, or with one row
+and a ``(K, N)`` weight, on CPUs without VNNI, run in C++ instead of XLA:CPU's code,
+with the same result bit for bit (qcore's tests and ``nox -s kernels`` check it).
+Nothing needs to be imported: qcore finds this package by itself. Without it, or
+where it cannot run (another backend, a CPU without AVX2 and FMA runs its portable
+code), qcore uses its pure-XLA formulation.
 
 Example:
     >>> import jax.numpy as jnp

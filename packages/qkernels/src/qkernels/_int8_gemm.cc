@@ -19,7 +19,8 @@
 // The weight is repacked on every call into panels of 16 columns in which each 32-bit
 // lane holds one column's codes for 4 consecutive k, one block of K at a time (see
 // ColumnsAvx2). Threads take runs of whole panels, so each reads its own part of the
-// weight once.
+// weight once. One activation row with a (K, N) weight (decoding) is memory-bound and
+// takes its own loop without repacking (RowKn).
 
 #include <algorithm>
 #include <cstdint>
@@ -229,6 +230,100 @@ void ColumnsAvx2(const Gemm& g, int64_t c0, int64_t cols) {
     }
   }
 }
+
+// One activation row with a (K, N) weight (decoding): the product is memory-bound, so
+// the weight is read once, front to back, eight rows at a time, without repacking.
+// Each 32-byte load of a row holds 32 columns; four rows' loads are interleaved in
+// registers so that each 32-bit lane holds one column's four codes (lane order: the
+// columns of a strip go to vector (c % 16) / 4, lane c % 4 + 4 (c / 16)). Here the
+// weight is the unsigned operand of vpmaddubsw, as |w|, and x carries w's sign
+// (vpsignb), so a weight code of -128 (|w| = 128) needs no correction; x's codes of
+// -128 are used as -127 and the row w[k, :] subtracted afterwards (RowKn).
+constexpr int64_t kStrip = 32;  // columns per step
+constexpr int64_t kDepth1 = 8;  // weight rows per pass over the columns
+
+// The four k-quad vectors of columns [c, c + 32) of rows r[0..3].
+__attribute__((target("avx2,fma"))) inline void Quads(const int8_t* const* r, int64_t c,
+                                                      __m256i* q) {
+  const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r[0] + c));
+  const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r[1] + c));
+  const __m256i d = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r[2] + c));
+  const __m256i e = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r[3] + c));
+  const __m256i ab_lo = _mm256_unpacklo_epi8(a, b), ab_hi = _mm256_unpackhi_epi8(a, b);
+  const __m256i de_lo = _mm256_unpacklo_epi8(d, e), de_hi = _mm256_unpackhi_epi8(d, e);
+  q[0] = _mm256_unpacklo_epi16(ab_lo, de_lo);
+  q[1] = _mm256_unpackhi_epi16(ab_lo, de_lo);
+  q[2] = _mm256_unpacklo_epi16(ab_hi, de_hi);
+  q[3] = _mm256_unpackhi_epi16(ab_hi, de_hi);
+}
+
+// The position in a strip's sums of its column j (see above).
+inline int64_t InStrip(int64_t j) { return 8 * ((j % 16) / 4) + j % 4 + 4 * (j / 16); }
+
+// acc (strips of 32 columns, in lane order) += x'[k0, k1) . w[k0, k1), for the first
+// `full` columns (a multiple of 32) and k1 - k0 a multiple of kDepth1; x' is x with
+// -128 as -127. Sums wrap modulo 2**32 as XLA's int32 sums do.
+__attribute__((target("avx2,fma"))) void RowsKnAvx2(const Gemm& g, const int8_t* xq,
+                                                    int64_t k0, int64_t k1, int64_t full,
+                                                    uint32_t* acc) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t k = k0; k < k1; k += kDepth1) {
+    int32_t lo, hi;
+    std::memcpy(&lo, xq + k, 4);
+    std::memcpy(&hi, xq + k + 4, 4);
+    const __m256i x0 = _mm256_set1_epi32(lo), x1 = _mm256_set1_epi32(hi);
+    const int8_t* r[kDepth1];
+    for (int i = 0; i < kDepth1; ++i) r[i] = g.w + (k + i) * g.n;
+    for (int64_t c = 0; c < full; c += kStrip) {
+      __m256i q[4], p[4];
+      Quads(r, c, q);
+      Quads(r + 4, c, p);
+      __m256i* out = reinterpret_cast<__m256i*>(acc + c);
+      for (int i = 0; i < 4; ++i) {
+        const __m256i s = _mm256_add_epi32(
+            _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(q[i]), _mm256_sign_epi8(x0, q[i])),
+                              ones),
+            _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(p[i]), _mm256_sign_epi8(x1, p[i])),
+                              ones));
+        _mm256_storeu_si256(out + i, _mm256_add_epi32(_mm256_loadu_si256(out + i), s));
+      }
+    }
+  }
+}
+
+// y (1, N) for one activation row and a (K, N) weight, threads splitting K (each
+// reads a contiguous part of the weight into its own sums, added at the end).
+ffi::Error RowKn(ffi::ThreadPool& pool, const Gemm& g) {
+  const int64_t n = g.n, k = g.k;
+  const int64_t full = n / kStrip * kStrip, deep = k / kDepth1 * kDepth1;
+  std::vector<int8_t> xq(g.x, g.x + k);
+  for (auto& v : xq) v = v == -128 ? -127 : v;
+  const int64_t groups = deep / kDepth1;
+  const int64_t items = std::max<int64_t>(1, std::min<int64_t>(groups, pool.num_threads()));
+  std::vector<uint32_t> sums(items * full, 0);
+  const bool ok = ParallelItems(pool, items, [&](int64_t item) {
+    RowsKnAvx2(g, xq.data(), groups * item / items * kDepth1,
+               groups * (item + 1) / items * kDepth1, full, sums.data() + item * full);
+  });
+  if (!ok) return Failed();
+  std::vector<uint32_t> total(n, 0);
+  for (int64_t c = 0; c < full; ++c) {
+    const int64_t at = c / kStrip * kStrip + InStrip(c % kStrip);
+    for (int64_t item = 0; item < items; ++item) total[c] += sums[item * full + at];
+  }
+  // The rows and columns the strips left out, with x's own codes; and for x's codes
+  // of -128, used as -127 in the strips, the row once more.
+  for (int64_t kk = 0; kk < k; ++kk) {
+    const int8_t* w = g.w + kk * n;
+    const int32_t xv = g.x[kk];
+    const int64_t c0 = kk < deep ? full : 0;
+    for (int64_t c = c0; c < n; ++c) total[c] += static_cast<uint32_t>(xv * int32_t{w[c]});
+    if (kk < deep && xv == -128)
+      for (int64_t c = 0; c < full; ++c) total[c] -= static_cast<uint32_t>(int32_t{w[c]});
+  }
+  for (int64_t c = 0; c < n; ++c) g.y[c] = Out(g, 0, static_cast<int32_t>(total[c]));
+  return ffi::Error::Success();
+}
 #endif
 
 // The checks and the run shared by both handlers; xs is null for int32 sums.
@@ -252,6 +347,9 @@ ffi::Error Run(ffi::ThreadPool& pool, ffi::Buffer<ffi::S8>& x, ffi::Buffer<ffi::
   Gemm g{x.typed_data(), k, w.typed_data(), w_nk != 0, m, k, n, static_cast<int32_t*>(y), xs};
   if (m == 0 || n == 0) return ffi::Error::Success();
   const bool simd = HasAvx2Fma() && k > 0;
+#if defined(__x86_64__)
+  if (simd && m == 1 && !g.w_nk) return RowKn(pool, g);
+#endif
   std::vector<int8_t> padded;
   if (simd && k % 4) {  // the tiles read activations four codes at a time
     g.ldx = (k + 3) / 4 * 4;

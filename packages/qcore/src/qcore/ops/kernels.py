@@ -36,8 +36,8 @@ for M >~ 16 a blocked float (bf16 or f32) YNNPACK dot is used instead.
 With the optional ``qkernels`` package installed, the weight-only products with a
 (K, N) weight, one activation row and per-column scales call its native kernels,
 which compute these functions' float expressions in the same order, bit for bit, and
-so do w8a8 products from 16 rows on CPUs without VNNI (an exact int8 GEMM; see
-:func:`native_kernels`).
+so do w8a8 products on CPUs without VNNI from 16 rows, and with one row and a (K, N)
+weight (exact int8 sums; see :func:`native_kernels`).
 
 All functions are jittable; every shape-dependent choice is static (Python ints).
 Weights: "nk" layout = (N, K) codes (recommended); "kn" = (K, N) codes (fallback paths).
@@ -348,23 +348,27 @@ def _zeros_varying_like(shape, *operands):
     return lax.pcast(zeros, tuple(sorted(axes)), to="varying") if axes else zeros
 
 
-def _scan_k(x, w_kn, cdt, bk):
+def _scan_k(x, w_kn, cdt, bk, exact=False):
     """``x (M, K) @ w_kn (K, N)`` as a scan over K blocks of ``bk`` rows, f32 accumulation.
 
     Each block of the weight is converted to ``cdt`` inside the scan, so no full-size
-    converted copy of the weight exists.
+    converted copy of the weight exists. With ``exact`` (integer codes whose block
+    sums are integers float32 holds exactly) the block sums are added in int32.
     """
     m, k = x.shape
     n = w_kn.shape[1]
     nb = k // bk
     xb = x.reshape(m, nb, bk).transpose(1, 0, 2).astype(cdt)
+    acc_dtype = i32 if exact else f32
 
     def body(acc, xw):
         xi, wi = xw
-        return acc + lax.dot(xi, wi.astype(cdt), preferred_element_type=f32), None
+        block = lax.dot(xi, wi.astype(cdt), preferred_element_type=f32)
+        return acc + block.astype(acc_dtype), None
 
-    acc, _ = lax.scan(body, _zeros_varying_like((m, n), xb, w_kn), (xb, w_kn.reshape(nb, bk, n)))
-    return acc
+    zeros = _zeros_varying_like((m, n), xb, w_kn).astype(acc_dtype)
+    acc, _ = lax.scan(body, zeros, (xb, w_kn.reshape(nb, bk, n)))
+    return acc.astype(f32)
 
 
 def _scan_rows(fn, blocks):
@@ -746,32 +750,25 @@ _W8A8_KN_INT8_MAX_WEIGHT = 2**22
 _W8A8_NATIVE_MIN_ROWS = 16
 
 
-def _native_w8a8(x_codes, x_scale, w_codes, w_scale, layout):
-    """Qkernels' w8a8 product (exact int8 GEMM, then the row scales), or None.
+def _native_w8a8(x_codes, w_codes, layout):
+    """Qkernels' w8a8 rows (``float32(x @ w) * x_scale``, exact sums), or None.
 
-    None where qkernels is missing or off, below ``_W8A8_NATIVE_MIN_ROWS`` rows or with
-    a symbolic row count, for codes not stored as int8, and on CPUs with VNNI, whose
-    int8 dot-product instructions XLA's own GEMM uses and qkernels' AVX2 code does not. It computes
-    :func:`w8a8`'s expression: integer sums are exact in any order, the row scales
-    multiply in the kernel, and the column scales in XLA, in the same isolated
-    computation as on the XLA path (see :func:`_isolated`), so the result is the XLA
-    path's bit for bit.
+    None where qkernels is missing or off, for codes not stored as int8, on CPUs with
+    VNNI (whose int8 dot-product instructions XLA's own GEMM uses and qkernels' AVX2
+    code does not), and below ``_W8A8_NATIVE_MIN_ROWS`` rows or with a symbolic row
+    count, except one row with a ``(K, N)`` weight, which the kernel reads once, row
+    by row, instead of repacking it. Integer sums are exact in any order, so with the
+    row scales multiplied in the kernel as in :func:`_w8a8_rows` and the column scales
+    in XLA, the result is the XLA path's bit for bit.
     """
     native, m = _native_kernels(), x_codes.shape[0]
-    if native is None or not isinstance(m, int) or m < _W8A8_NATIVE_MIN_ROWS or native.vnni():
+    if native is None or not isinstance(m, int) or native.vnni():
         return None  # (a symbolic row count, as under jax.export, stays on XLA)
+    if m < _W8A8_NATIVE_MIN_ROWS and (m != 1 or layout != "kn"):
+        return None
     if x_codes.dtype != i8 or w_codes.dtype != i8:
         return None
-
-    return _isolated(
-        _w8a8_scaled(lambda x, xs, w: native.w8a8(x, xs, w, w_layout=layout)),
-        x_codes,
-        w_codes,
-        x_scale,
-        w_scale,
-        n=_columns(w_codes, layout),
-        xla=_w8a8_scaled(lambda x, xs, w: _w8a8_rows(x, xs, w, layout)),
-    )
+    return lambda x, xs, w: native.w8a8(x, xs, w, w_layout=layout)
 
 
 def _w8a8_scaled(rows):
@@ -791,12 +788,14 @@ def w8a8(x_codes, x_scale, w_codes, w_scale, *, layout="nk", block=None):
     falls back to a GEMV that widens the whole weight. With ``layout="kn"``
     (``(K, N)``) the int8 GEMM re-packs the weight on every call, which still beats
     converting it (``benchmarks/w8a8_layout.py``) except at batch 1 on weights above
-    4 MiB: there K blocks of 512 rows are converted to f32 and multiplied with f32
-    accumulation (exact: products of codes and their block sums stay below
-    ``2**24``). An explicit ``block`` forces the blocks (bf16 above batch 1: codes
-    are exact in bf16). With qkernels installed, from 16 rows on a CPU without VNNI,
-    either layout's integer product is qkernels' exact int8 GEMM instead (the same
-    integers, so the same result bit for bit).
+    4 MiB: there K blocks of 512 rows are converted to f32 and multiplied, each
+    block's sum exact in f32 and the blocks added in int32, so the sums are exact as
+    the GEMM's are. An explicit ``block`` forces the blocks (bf16 above batch 1:
+    codes are exact in bf16, block sums added in f32; also f32 sums of blocks longer
+    than 1024 rows at batch 1). With qkernels installed, on a CPU without VNNI,
+    either layout's integer product from 16 rows, and one row with a ``(K, N)``
+    weight, is qkernels' exact int8 kernel instead (the same integers, so the same
+    result bit for bit).
 
     Args:
         x_codes: ``(M, K)`` int8 activation codes.
@@ -810,32 +809,37 @@ def w8a8(x_codes, x_scale, w_codes, w_scale, *, layout="nk", block=None):
         ``(M, N)`` float32.
     """
     m, k = x_codes.shape
-    if block is None:
-        y = _native_w8a8(x_codes, x_scale, w_codes, w_scale, layout)
-        if y is not None:
-            return y
     if (
         layout == "nk"
         or block is None
         and (m != 1 or k * w_codes.shape[1] <= _W8A8_KN_INT8_MAX_WEIGHT)
     ):
-        return _isolated(
-            _w8a8_scaled(lambda x, xs, w: _w8a8_rows(x, xs, w, layout)),
-            x_codes,
-            w_codes,
-            x_scale,
-            w_scale,
-            n=_columns(w_codes, layout),
-        )
-    cdt, bk = f32 if m == 1 else bf16, block or _pick_block(k, 512)
+        rows = functools.partial(_w8a8_rows, layout=layout)
+    else:
+        bk = block or _pick_block(k, 512)
+        rows = functools.partial(_w8a8_scan_rows, bk=bk, cdt=f32 if m == 1 else bf16)
+    xla = _w8a8_scaled(rows)
+    native = _native_w8a8(x_codes, w_codes, layout) if block is None else None
     return _isolated(
-        lambda xc, w, xs, ws: _scan_k(xc, w, cdt, bk) * xs * ws,
+        _w8a8_scaled(native) if native else xla,
         x_codes,
         w_codes,
         x_scale,
         w_scale,
         n=_columns(w_codes, layout),
+        xla=xla,
     )
+
+
+def _w8a8_scan_rows(x_codes, x_scale, w_codes, *, bk, cdt):
+    """:func:`w8a8`'s blocked ``(K, N)`` product times the row scales (not the columns').
+
+    One row (``cdt`` float32) with blocks of at most 1024 rows sums exactly, as the
+    int8 GEMM does: each block's products and sums stay within float32's integers
+    (``|sum| <= 1024 * 128 * 128 = 2**24``), and the blocks are added in int32. Longer
+    blocks, and bfloat16 blocks at several rows, add float32 block sums.
+    """
+    return _scan_k(x_codes, w_codes, cdt, bk, exact=cdt == f32 and bk <= 1024) * x_scale
 
 
 def _w8a8_rows(x_codes, x_scale, w_codes, layout):
