@@ -29,6 +29,9 @@
 #include <time.h>
 
 #define TEN(M) M(0) M(1) M(2) M(3) M(4) M(5) M(6) M(7) M(8) M(9)
+/* Ten float accumulators f0..f9, and their sum into *sink after the loop. */
+#define DECLARE_F(j) __m256 f##j = _mm256_set1_ps(j * 1e-3f);
+#define SINK_F(j) *sink += _mm256_cvtss_f32(f##j);
 
 static double Now(void) {
   struct timespec t;
@@ -39,9 +42,7 @@ static double Now(void) {
 /* Each returns the seconds taken; *sink receives the accumulators (keeping them live). */
 __attribute__((target("avx2,fma"))) static double F32(long n, float* sink) {
   const __m256 a = _mm256_set1_ps(0.5f), b = _mm256_set1_ps(0.25f);
-#define DECLARE(j) __m256 f##j = _mm256_set1_ps(j * 1e-3f);
-  TEN(DECLARE)
-#undef DECLARE
+  TEN(DECLARE_F)
   const double t = Now();
   for (long i = 0; i < n; ++i) {
 #define STEP(j) f##j = _mm256_fmadd_ps(a, f##j, b);
@@ -49,9 +50,7 @@ __attribute__((target("avx2,fma"))) static double F32(long n, float* sink) {
 #undef STEP
   }
   const double dt = Now() - t;
-#define SINK(j) *sink += _mm256_cvtss_f32(f##j);
-  TEN(SINK)
-#undef SINK
+  TEN(SINK_F)
   return dt;
 }
 
@@ -94,23 +93,18 @@ static unsigned char codes[4096 + 128];
 
 __attribute__((target("avx2,fma"))) static double W8b1(long n, float* sink) {
   const __m256 x = _mm256_set1_ps(0.5f);
-#define DECLARE(j) __m256 f##j = _mm256_set1_ps(j * 1e-3f);
-  TEN(DECLARE)
-#undef DECLARE
+  TEN(DECLARE_F)
   const double t = Now();
   for (long i = 0; i < n; ++i) {
     const unsigned char* p = codes + (i & 63) * 64;
-#define STEP(j)                                                                   \
-  f##j = _mm256_fmadd_ps(                                                         \
-      x, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(p + 8 * j)))), \
-      f##j);
+#define CODES(j) _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(p + 8 * (j))))
+#define STEP(j) f##j = _mm256_fmadd_ps(x, _mm256_cvtepi32_ps(CODES(j)), f##j);
     TEN(STEP)
 #undef STEP
+#undef CODES
   }
   const double dt = Now() - t;
-#define SINK(j) *sink += _mm256_cvtss_f32(f##j);
-  TEN(SINK)
-#undef SINK
+  TEN(SINK_F)
   return dt;
 }
 
