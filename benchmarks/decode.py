@@ -14,9 +14,13 @@ channel unless stated):
 * ``w8`` / ``w4`` / ``nf4``: int8 / packed int4 / packed nf4 weight-only, traced
   twice: on qcore's pure-XLA path and with the optional ``qkernels`` package's native
   kernels, which compute the same values bit for bit (checked here on every run);
+* ``w8a8``: int8 weights and int8 activations (one scale per row, quantized at call
+  time), traced twice in the same way (qkernels' exact int8 sums; not on CPUs with
+  VNNI, where qcore leaves w8a8 to XLA and the script prints that there is no row);
 * ``w4 tiles 128`` / ``nf4 tiles 64``: int4 with one scale per 128 input rows, nf4
   with one per 64 (QLoRA's blocks), traced twice in the same way;
-* ``qwix w8`` / ``qwix w4``: the same rules with Qwix 0.1.8's ``PtqProvider``.
+* ``qwix w8`` / ``qwix w8a8`` / ``qwix w4``: the same rules with Qwix 0.1.8's
+  ``PtqProvider``.
 
 Rounds call every configuration in turn; in each turn untimed calls come first, at
 least ``--untimed`` (default 3) of them and for at least 100 ms, and the next call is
@@ -69,13 +73,18 @@ from qcore.ops import kernels
 WIDTH = 4096
 RULES: dict[str, dict[str, Any]] = {
     "w8": {"weight_qtype": "int8"},
+    "w8a8": {"weight_qtype": "int8", "act_qtype": "int8"},
     "w4": {"weight_qtype": "int4"},
     "w4 tiles 128": {"weight_qtype": "int4", "tile_size": 128},
     "nf4": {"weight_qtype": "nf4"},
     "nf4 tiles 64": {"weight_qtype": "nf4", "tile_size": 64},
 }
-NATIVE = ("w8", "w4", "w4 tiles 128", "nf4", "nf4 tiles 64")  # the configs qkernels covers
-QWIX_RULES = {"w8": {"weight_qtype": jnp.int8}, "w4": {"weight_qtype": jnp.int4}}
+NATIVE = ("w8", "w8a8", "w4", "w4 tiles 128", "nf4", "nf4 tiles 64")  # what qkernels covers
+QWIX_RULES = {
+    "w8": {"weight_qtype": jnp.int8},
+    "w8a8": {"weight_qtype": jnp.int8, "act_qtype": jnp.int8},
+    "w4": {"weight_qtype": jnp.int4},
+}
 
 
 class Chain(nn.Module):
