@@ -1,8 +1,9 @@
 """Gemma's own Transformer decoding one token per call: qkernels gives the XLA path's bits.
 
 Third-party model code (the ``gemma`` package's ``gm.nn.Transformer``, random weights,
-a tiny config, its KV cache), quantized with qflax and decoded at batch 1 — the case
-qkernels covers — once with the native kernels and once with
+a tiny config, its KV cache), quantized with qflax (weight-only int8, int4, nf4, and
+w8a8) and decoded at batch 1 — the case qkernels covers — once with the native
+kernels and once with
 ``QCORE_NATIVE_KERNELS=0``. Each run is its own process: gemma's methods are wrapped
 in ``nn.jit``, whose traces would otherwise be shared between the two. Run by
 ``nox -s kernels`` (which installs gemma for it); the ``tests`` sessions do not collect
@@ -16,6 +17,14 @@ import textwrap
 
 import numpy as np
 import pytest
+
+# The quantization rule's arguments per case; w8a8 quantizes each activation row.
+RULES = {
+    "int8": 'weight_qtype="int8"',
+    "int4": 'weight_qtype="int4"',
+    "nf4": 'weight_qtype="nf4"',
+    "w8a8": 'weight_qtype="int8", act_qtype="int8"',
+}
 
 
 def _script(qtype: str, out: str) -> str:
@@ -40,7 +49,7 @@ def _script(qtype: str, out: str) -> str:
         model = gm.nn.Transformer(config=config, dtype=jnp.float32)
         tokens = jnp.asarray(np.random.default_rng(0).integers(1, 256, (1, 8)), jnp.int32)
         key = jax.random.key(0)
-        rule = qflax.QuantizationRule(weight_qtype="{qtype}")
+        rule = qflax.QuantizationRule({RULES[qtype]})
         qmodel = qflax.quantize_model(model, qflax.PtqProvider([rule]))
         params = jax.jit(qmodel.init)(key, tokens)["params"]
         cache = qmodel.init_cache(batch_size=1, dtype=jnp.float32, cache_length=16)
@@ -80,7 +89,7 @@ def _decode(qtype: str, native: bool, tmp_path) -> tuple[np.ndarray, int]:
     return np.load(out), int(run.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("qtype", ["int8", "int4", "nf4"])
+@pytest.mark.parametrize("qtype", list(RULES))
 def test_batch_one_decode_is_bit_for_bit_with_and_without_qkernels(qtype, tmp_path):
     native, calls = _decode(qtype, True, tmp_path)
     xla, no_calls = _decode(qtype, False, tmp_path)
