@@ -257,6 +257,12 @@ __attribute__((target("avx2,fma"))) inline void Quads(const int8_t* const* r, in
   q[3] = _mm256_unpackhi_epi16(ab_hi, de_hi);
 }
 
+// Each 32-bit lane's four products |w| * (x carrying w's sign), summed into int32.
+__attribute__((target("avx2,fma"))) inline __m256i QuadSums(__m256i w, __m256i x) {
+  const __m256i pairs = _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(x, w));
+  return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+}
+
 // The position in a strip's sums of its column j (see above).
 inline int64_t InStrip(int64_t j) { return 8 * ((j % 16) / 4) + j % 4 + 4 * (j / 16); }
 
@@ -266,7 +272,6 @@ inline int64_t InStrip(int64_t j) { return 8 * ((j % 16) / 4) + j % 4 + 4 * (j /
 __attribute__((target("avx2,fma"))) void RowsKnAvx2(const Gemm& g, const int8_t* xq,
                                                     int64_t k0, int64_t k1, int64_t full,
                                                     uint32_t* acc) {
-  const __m256i ones = _mm256_set1_epi16(1);
   for (int64_t k = k0; k < k1; k += kDepth1) {
     int32_t lo, hi;
     std::memcpy(&lo, xq + k, 4);
@@ -280,11 +285,7 @@ __attribute__((target("avx2,fma"))) void RowsKnAvx2(const Gemm& g, const int8_t*
       Quads(r + 4, c, p);
       __m256i* out = reinterpret_cast<__m256i*>(acc + c);
       for (int i = 0; i < 4; ++i) {
-        const __m256i s = _mm256_add_epi32(
-            _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(q[i]), _mm256_sign_epi8(x0, q[i])),
-                              ones),
-            _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(p[i]), _mm256_sign_epi8(x1, p[i])),
-                              ones));
+        const __m256i s = _mm256_add_epi32(QuadSums(q[i], x0), QuadSums(p[i], x1));
         _mm256_storeu_si256(out + i, _mm256_add_epi32(_mm256_loadu_si256(out + i), s));
       }
     }
